@@ -1,0 +1,89 @@
+"""A thin layer over ``torch.distributed``.
+
+Note: with world size 1 every call is a no-op that returns a finished handle, so a
+single process needs no process group and adds no copies. NCCL runs asynchronous
+collectives on its own internal stream and ``handle.wait()`` makes the current
+stream wait for them, so launching with ``async_op=True`` is what lets communication
+overlap compute on GPU; gloo runs them on its own threads on CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class _Done:
+    """The handle of an operation that had nothing to do."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+class Comm:
+    def __init__(self, group=None):
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.backend = dist.get_backend(group)
+        else:
+            self.rank, self.world_size, self.backend = 0, 1, None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, t: torch.Tensor, op=None, async_op: bool = False):
+        if not self.distributed:
+            return DONE
+        return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op) or DONE
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Sum ``inp`` (world_size x out.numel()) over ranks; this rank's chunk lands in ``out``."""
+        if not self.distributed:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return DONE
+        return dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op) or DONE
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Every rank's ``inp`` side by side in ``out``; ``inp`` may be this rank's chunk of ``out``."""
+        if not self.distributed:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return DONE
+        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op) or DONE
+
+    def broadcast(self, t: torch.Tensor, src: int = 0):
+        if self.distributed:
+            dist.broadcast(t, src=src, group=self.group)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def all_reduce_scalar(self, value: float, op=None) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64,
+                         device="cuda" if self.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+        return t.item()
+
+
+def init_distributed_from_env(device_type: str) -> bool:
+    """Start the default process group if torchrun's variables are set; True if distributed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend)
+    return True

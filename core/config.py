@@ -1,0 +1,223 @@
+"""The configuration: ``zero.toml`` (or a dict) into a validated :class:`Config`.
+
+One rule (DESIGN.md): each slot is a table with a ``plugin`` key naming who
+fills it; every other key of that table is that plugin's option, validated by
+the plugin's ``Options`` dataclass. Tables that belong to no slot (``[batch]``,
+``[checkpoint]``) are core's own. Precedence: command line > file > defaults.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import ConfigError
+from .options import AUTO, build_options, opt, suggest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    micro_batch_size: int | Literal["auto"] = opt(
+        AUTO, "Samples per rank per forward pass (DeepSpeed: train_micro_batch_size_per_gpu).",
+        min=1, alias=("train_micro_batch_size_per_gpu",))
+    gradient_accumulation_steps: int | Literal["auto"] = opt(
+        AUTO, "Micro batches whose gradients are summed before one optimizer step.", min=1)
+    train_batch_size: int | Literal["auto"] = opt(
+        AUTO, "Samples per optimizer step over all ranks; must equal "
+              "micro_batch_size x gradient_accumulation_steps x world size.", min=1)
+    gradient_clipping: float = opt(0.0, "Clip gradients to this global L2 norm; 0 disables.", min=0.0)
+    steps_per_print: int = opt(10, "Print one metrics line every this many optimizer steps.", min=1)
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    dir: str = opt("", "Directory for checkpoints written by `zeroplug train`; empty disables them.")
+    every_n_steps: int = opt(0, "Save a checkpoint every N optimizer steps; 0 disables.", min=0)
+    keep_last: int = opt(0, "Keep only the K newest checkpoints; 0 keeps all.", min=0)
+
+
+#: slot tables: TOML path -> (registry slot, default plugin)
+SLOT_TABLES = {
+    "zero": ("zero", "stage0"),
+    "precision": ("precision", "fp32"),
+    "optimizer": ("optimizer", "adamw"),
+    "scheduler": ("scheduler", "none"),
+    "offload.optimizer": ("offload", "none"),
+    "offload.param": ("offload", "none"),
+    "monitor": ("monitor", "stdout"),
+}
+CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions}
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """The implementation chosen for one slot and its validated options."""
+    path: str
+    name: str
+    impl: type
+    options: Any
+
+
+@dataclass(frozen=True)
+class Config:
+    batch: BatchOptions
+    checkpoint: CheckpointOptions
+    slots: dict[str, SlotChoice] = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)
+    world_size: int = 1
+
+    def slot(self, path: str) -> SlotChoice:
+        return self.slots[path]
+
+
+# --- reading -------------------------------------------------------------------
+
+def read_file(path: str | os.PathLike) -> dict:
+    """A TOML file, or a DeepSpeed JSON file (translated), into a raw dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file "
+                          f"(see zero.toml in the project root for an example)")
+    text = p.read_text()
+    if p.suffix == ".json":
+        from .convert import from_deepspeed
+        try:
+            return from_deepspeed(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{p}: not valid JSON: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``--section.key=value`` (leading dashes optional); value parsed as TOML, else a string."""
+    body = item.lstrip("-")
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like --section.key=value "
+                          f"(e.g. --optimizer.lr=1e-4)")
+    key, value = body.split("=", 1)
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    return key, parsed
+
+
+def apply_overrides(raw: dict, overrides) -> dict:
+    raw = copy.deepcopy(raw)
+    for item in overrides or ():
+        key, value = parse_override(item) if isinstance(item, str) else item
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is not a table", key=key)
+        node[parts[-1]] = value
+    return raw
+
+
+# --- validation -------------------------------------------------------------------
+
+def _resolve_batch(b: BatchOptions, world: int) -> BatchOptions:
+    mbs, gas, tbs = b.micro_batch_size, b.gradient_accumulation_steps, b.train_batch_size
+    if gas == AUTO and (mbs == AUTO or tbs == AUTO):
+        gas = 1
+    if mbs == AUTO and tbs == AUTO:
+        mbs = 1
+    if tbs == AUTO:
+        tbs = mbs * gas * world
+    elif mbs == AUTO:
+        if tbs % (gas * world):
+            raise ConfigError(
+                f"batch.train_batch_size = {tbs} is not divisible by gradient_accumulation_steps "
+                f"({gas}) x world size ({world}) = {gas * world}, so micro_batch_size cannot be "
+                f"derived; set train_batch_size to a multiple of {gas * world}", key="batch.train_batch_size")
+        mbs = tbs // (gas * world)
+    elif gas == AUTO:
+        if tbs % (mbs * world):
+            raise ConfigError(
+                f"batch.train_batch_size = {tbs} is not divisible by micro_batch_size ({mbs}) x "
+                f"world size ({world}) = {mbs * world}, so gradient_accumulation_steps cannot be "
+                f"derived; set train_batch_size to a multiple of {mbs * world}", key="batch.train_batch_size")
+        gas = tbs // (mbs * world)
+    if mbs * gas * world != tbs:
+        raise ConfigError(
+            f"batch sizes disagree: train_batch_size = {tbs}, but micro_batch_size ({mbs}) x "
+            f"gradient_accumulation_steps ({gas}) x world size ({world}) = {mbs * gas * world}. "
+            f"Set train_batch_size = \"auto\" or make the product equal it", key="batch.train_batch_size")
+    return BatchOptions(micro_batch_size=mbs, gradient_accumulation_steps=gas, train_batch_size=tbs,
+                        gradient_clipping=b.gradient_clipping, steps_per_print=b.steps_per_print)
+
+
+def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
+    """Validate a raw dict into a :class:`Config` for a run of ``world_size`` ranks."""
+    if pm is None:
+        from .registry import get_plugin_manager
+        pm = get_plugin_manager()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a table of tables, got {type(raw).__name__}")
+    known_top = set(CORE_TABLES) | {p.split(".")[0] for p in SLOT_TABLES}
+    for key, value in raw.items():
+        if key not in known_top:
+            raise ConfigError(f"unknown table [{key}].{suggest(key, known_top)} "
+                              f"Known tables: {', '.join(sorted(known_top))}", key=key)
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{key}] must be a table, got {value!r}", key=key)
+    offload = raw.get("offload", {})
+    for key in offload:
+        if key not in ("optimizer", "param"):
+            raise ConfigError(f"unknown table [offload.{key}].{suggest(key, ['optimizer', 'param'])} "
+                              f"Known: [offload.optimizer], [offload.param]", key=f"offload.{key}")
+        if not isinstance(offload[key], dict):
+            raise ConfigError(f"[offload.{key}] must be a table", key=f"offload.{key}")
+
+    batch = _resolve_batch(build_options(BatchOptions, raw.get("batch", {}), "batch"), world_size)
+    ckpt = build_options(CheckpointOptions, raw.get("checkpoint", {}), "checkpoint")
+    slots = {}
+    for path, (slot, default) in SLOT_TABLES.items():
+        table = dict(raw.get("offload", {}).get(path.split(".")[1], {}) if path.startswith("offload.")
+                     else raw.get(path, {}))
+        name = table.pop("plugin", default)
+        if not isinstance(name, str):
+            raise ConfigError(f"{path}.plugin must be a plugin name (a string), got {name!r}",
+                              key=f"{path}.plugin")
+        reg = pm.get(slot, name, key=f"{path}.plugin")
+        options = build_options(reg.impl.Options, table, path)
+        slots[path] = SlotChoice(path, name, reg.impl, options)
+    cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size)
+    for choice in slots.values():   # cross-slot rules, e.g. offload.param needs stage 3
+        check = getattr(choice.impl, "check_config", None)
+        if check is not None:
+            check(cfg, choice)
+    return cfg
+
+
+def load(source=None, overrides=None, pm=None, world_size: int = 1) -> Config:
+    """A path, a raw dict, an existing Config (returned as is) or None (defaults)."""
+    if isinstance(source, Config):
+        if overrides:
+            return resolve(apply_overrides(source.raw, overrides), pm, world_size)
+        if source.world_size != world_size:
+            return resolve(source.raw, pm, world_size)
+        return source
+    if source is None:
+        raw = {}
+    elif isinstance(source, dict):
+        raw = source
+    elif isinstance(source, (str, os.PathLike)):
+        raw = read_file(source)
+    else:
+        raise ConfigError(f"config must be a path, a dict or a zeroplug Config, got {type(source).__name__}")
+    return resolve(apply_overrides(raw, overrides), pm, world_size)

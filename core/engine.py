@@ -1,0 +1,240 @@
+"""The engine: one training step as a pipeline of calls into the selected plugins.
+
+It holds no strategy of its own. Per optimizer step:
+
+1. ``engine(*inputs)``   forward (the partitioner's module hooks gather parameters)
+2. ``engine.backward(loss)``  loss / accumulation steps x loss scale, backward
+   (the partitioner's gradient hooks reduce buckets as they fill)
+3. ``engine.step()``     at the accumulation boundary: finish reductions, global
+   grad norm (also the overflow check), unscale + clip in one multiply, lr from the
+   schedule, optimizer over the master shards, publish parameters, zero grads.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+
+import torch
+
+from . import config as config_mod
+from .comm import Comm
+from .errors import StateError
+from .memory import device_memory, host_rss_bytes
+from .registry import get_plugin_manager
+from .slots import RunContext
+
+log = logging.getLogger("zeroplug")
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_run(config=None, overrides=None, device=None, plugin_manager=None):
+    """The validated config and run context for this process."""
+    pm = plugin_manager or get_plugin_manager()
+    comm = Comm()
+    cfg = config_mod.load(config, overrides, pm=pm, world_size=comm.world_size)
+    dev = torch.device(device) if device is not None else _default_device()
+    return cfg, RunContext(device=dev, comm=comm, config=cfg, hook=pm.hook), pm
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config=None, overrides=None, device=None,
+                 plugin_manager=None):
+        cfg, run, pm = make_run(config, overrides, device, plugin_manager)
+        self.config, self.run, self.plugin_manager = cfg, run, pm
+        self.hook = pm.hook
+        self.module = model
+
+        def build(path, *extra):
+            choice = cfg.slot(path)
+            return choice.impl(choice.options, run, *extra)
+
+        self.precision = build("precision")
+        self.offload_optimizer = build("offload.optimizer", "optimizer")
+        self.offload_param = build("offload.param", "param")
+        self.partitioner = build("zero")
+        self.partitioner.setup(model, self.precision, self.offload_optimizer, self.offload_param)
+        factory = build("optimizer")
+        self.optimizer = factory.build(self.partitioner.master_params(), self.offload_optimizer.device)
+        self.scheduler = build("scheduler", factory.lr)
+        self.monitors = [build("monitor")]
+
+        b = cfg.batch
+        self.micro_batch_size = b.micro_batch_size
+        self.gradient_accumulation_steps = b.gradient_accumulation_steps
+        self.train_batch_size = b.train_batch_size
+        self.global_step = 0          # optimizer steps, taken or skipped (DeepSpeed's global_steps)
+        self.micro_step = 0
+        self.skipped_steps = 0
+        self.lr_step = 0              # steps taken: what the schedule counts
+        self.tokens_per_sample: int | None = None
+        self.states_offloaded: set[str] = set()
+        self._loss_sum = None
+        self._last_step_end = None
+        self._timed = (0, 0.0)        # (steps, seconds) for the running average
+        self._set_lr(self.scheduler.lr_at(0))
+        self.hook.zeroplug_engine_created(engine=self)
+
+    # -- the training step -------------------------------------------------------
+    def __call__(self, *inputs, **kwargs):
+        if self.tokens_per_sample is None and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
+            self.tokens_per_sample = int(inputs[0].shape[1])
+        self.partitioner.before_forward()
+        return self.module(*inputs, **kwargs)
+
+    forward = __call__
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._require_states("backward")
+        if self._last_step_end is None:
+            self._last_step_end = time.perf_counter()
+        self.run.at_boundary = self.is_gradient_accumulation_boundary()
+        scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
+        d = loss.detach().float()
+        self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+        self.partitioner.before_backward()
+        self.precision.scale_loss(scaled).backward()
+
+    def step(self) -> None:
+        """Call after every ``backward``; steps the optimizer at the accumulation boundary."""
+        self._require_states("step")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_step += 1
+        if not boundary:
+            return
+        self.hook.zeroplug_step_begin(engine=self)
+        part = self.partitioner
+        part.finish_gradients()
+        scale = self.precision.loss_scale
+        norm = math.sqrt(part.grad_norm_sq().item()) / scale   # one host sync per step
+        overflow = not math.isfinite(norm)
+        self.precision.update(overflow)
+        lr = self.scheduler.lr_at(self.lr_step)
+        if overflow:
+            self.skipped_steps += 1
+            if self.run.rank == 0:
+                log.warning("[zeroplug] OVERFLOW! Rank 0 Skipping step %d. Attempted loss scale: %g, "
+                            "reducing to %g", self.global_step + 1, scale, self.precision.loss_scale)
+        else:
+            factor = 1.0 / scale
+            clip = self.config.batch.gradient_clipping
+            if clip > 0 and norm > clip:
+                factor *= clip / (norm + 1e-6)
+            if factor != 1.0:
+                torch._foreach_mul_(list(part.iter_grads()), factor)
+            self._set_lr(lr)
+            self.optimizer.step()
+            part.publish()
+            self.lr_step += 1
+        part.zero_grad()
+        self.global_step += 1
+        self._report(norm, lr, overflow)
+
+    def _set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def _report(self, norm: float, lr: float, skipped: bool) -> None:
+        now = time.perf_counter()
+        dt = now - (self._last_step_end or now)
+        self._last_step_end = now
+        if self.global_step > 2:      # warm-up steps stay out of the running average
+            n, t = self._timed
+            self._timed = (n + 1, t + dt)
+        every = self.config.batch.steps_per_print
+        metrics = {"step": self.global_step, "lr": lr, "loss_scale": self.precision.loss_scale,
+                   "grad_norm": norm, "skipped": skipped, "skipped_steps": self.skipped_steps,
+                   "step_time": dt}
+        if self.global_step % every == 0 or self.global_step == 1:
+            loss = self._loss_sum.item() / self.gradient_accumulation_steps
+            cur = self.train_batch_size / dt if dt > 0 else float("nan")
+            n, t = self._timed
+            avg = self.train_batch_size * n / t if t > 0 else cur
+            alloc, peak = device_memory(self.run.device)
+            metrics.update(loss=loss, samples_per_sec=cur, avg_samples_per_sec=avg,
+                           tokens_per_sec=cur * (self.tokens_per_sample or 0),
+                           mem_allocated=alloc, max_mem_allocated=peak, host_rss=host_rss_bytes(),
+                           print=True)
+        else:
+            metrics["print"] = False
+        self._loss_sum = None
+        self.last_metrics = metrics
+        self.hook.zeroplug_step_end(engine=self, metrics=metrics)
+        if metrics["print"]:
+            for m in self.monitors:
+                m.write(metrics)
+
+    # -- modes and views -----------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def zero_grad(self) -> None:
+        self.partitioner.zero_grad()
+
+    def consolidated_state_dict(self) -> dict | None:
+        """The full model state dict (model dtype) on rank 0; None on the other ranks."""
+        self.partitioner.release_all()
+        return self.partitioner.consolidated_state_dict(self.module)
+
+    def save_16bit_model(self, path) -> bool:
+        """Write the consolidated model-dtype state dict to ``path`` from rank 0."""
+        from .checkpoint import atomic_torch_save
+        sd = self.consolidated_state_dict()
+        if sd is not None:
+            atomic_torch_save(sd, path)
+        self.run.comm.barrier()
+        return sd is not None
+
+    def _require_states(self, what: str) -> None:
+        if self.states_offloaded:
+            raise StateError(f"engine.{what}() called while states {sorted(self.states_offloaded)} are "
+                             f"offloaded; call engine.reload_states() first")
+
+    def close(self) -> None:
+        """Release offload files and buffers; monitors flush."""
+        for m in self.monitors:
+            m.close()
+        self.offload_optimizer.close()
+        self.offload_param.close()
+
+
+def initialize(model: torch.nn.Module, config=None, overrides=None, device=None,
+               plugin_manager=None) -> Engine:
+    """Wrap ``model`` for training. ``config``: a path (TOML, or DeepSpeed JSON), a dict,
+    a :class:`zeroplug.config.Config` or None (defaults); ``overrides``: ``["zero.plugin=stage2"]``."""
+    return Engine(model, config, overrides, device, plugin_manager)
+
+
+@contextmanager
+def init(config=None, overrides=None, device=None, plugin_manager=None):
+    """Build a model already partitioned: ``with zeroplug.init(cfg): model = build()``.
+
+    The selected ZeRO stage decides what that means (stage 3 keeps only each rank's
+    shard of every parameter; lower stages only place parameters on the device).
+    """
+    cfg, run, pm = make_run(config, overrides, device, plugin_manager)
+    choice = cfg.slot("zero")
+    precision = cfg.slot("precision")
+    ctx = choice.impl.construction_context(choice.options, run,
+                                           precision.impl(precision.options, run))
+    with ctx:
+        yield

@@ -1,0 +1,28 @@
+"""Errors that zeroplug raises on purpose.
+
+Note: every error a user can cause by a config or a command-line mistake is a
+``ZeroplugError``; the CLI prints its message (never a traceback) and exits 2.
+"""
+
+
+class ZeroplugError(Exception):
+    """Base class: a mistake the user can fix; the message says how."""
+
+
+class ConfigError(ZeroplugError, ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range.
+
+    ``key`` is the full dotted path (``zero.reduce_bucket_size``) when one key is at fault.
+    """
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class PluginError(ZeroplugError):
+    """A plugin could not be found, loaded or registered."""
+
+
+class StateError(ZeroplugError, RuntimeError):
+    """An engine method was called in a state that does not allow it."""

@@ -1,0 +1,138 @@
+"""The hook contract: every hook zeroplug calls, one docstring each.
+
+Two kinds of hooks:
+
+* ``zeroplug_register_<slot>(register)`` — called once when the plugin manager
+  is set up. A plugin calls ``register(name, implementation)`` for each named
+  implementation it offers for that slot. The TOML table of the slot picks one
+  by name (``[zero] plugin = "stage2"``). An implementation is a class with an
+  ``Options`` frozen dataclass (its TOML options, validated by core) and the
+  methods of the slot's protocol in :mod:`zeroplug.slots`.
+* Lifecycle hooks — called by the engine at fixed points of a run, on every
+  registered plugin, so a plugin can add behaviour or state without the engine
+  knowing it.
+
+Note: the slot implementations do the work of a step; lifecycle hooks observe
+and extend. A hook with ``firstresult`` stops at the first non-None answer.
+"""
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("zeroplug")
+hookimpl = pluggy.HookimplMarker("zeroplug")
+
+
+# --- registration: one hook per slot ---------------------------------------
+
+@hookspec
+def zeroplug_register_partitioners(register):
+    """Register ZeRO stages (the ``[zero]`` slot).
+
+    Called once at plugin-manager setup. ``register(name, cls)`` with ``cls``
+    following :class:`zeroplug.slots.Partitioner`. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_register_precisions(register):
+    """Register precisions (the ``[precision]`` slot: fp32, bf16, fp16, ...).
+
+    Called once at setup. ``register(name, cls)`` with ``cls`` following
+    :class:`zeroplug.slots.Precision`. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_register_optimizers(register):
+    """Register optimizers (the ``[optimizer]`` slot).
+
+    Called once at setup. ``register(name, cls)`` with ``cls`` following
+    :class:`zeroplug.slots.OptimizerFactory`: it builds a ``torch.optim.Optimizer``
+    over the master tensors of one rank's shard. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_register_schedulers(register):
+    """Register learning-rate schedules (the ``[scheduler]`` slot).
+
+    Called once at setup. ``register(name, cls)`` with ``cls`` following
+    :class:`zeroplug.slots.Scheduler`. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_register_offload_devices(register):
+    """Register offload tiers (the ``[offload.optimizer]`` and ``[offload.param]`` slots).
+
+    Called once at setup. ``register(name, cls)`` with ``cls`` following
+    :class:`zeroplug.slots.OffloadDevice`. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_register_monitors(register):
+    """Register monitors (the ``[monitor]`` slot: stdout lines, CSV, ...).
+
+    Called once at setup. ``register(name, cls)`` with ``cls`` following
+    :class:`zeroplug.slots.Monitor`. Returns nothing.
+    """
+
+
+# --- lifecycle ---------------------------------------------------------------
+
+@hookspec
+def zeroplug_engine_created(engine):
+    """Called at the end of ``zeroplug.initialize``, once every slot is filled.
+
+    ``engine`` is ready to train. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_step_begin(engine):
+    """Called at the start of an optimizer step (gradient-accumulation boundary),
+    after gradients are reduced and before they are unscaled, clipped and applied.
+    Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_step_end(engine, metrics):
+    """Called after an optimizer step (taken or skipped) with the step's metrics
+    (a dict: ``step``, ``loss``, ``lr``, ``loss_scale``, ``grad_norm``,
+    ``skipped``, ...). A plugin may add keys to ``metrics``; monitors see them.
+    Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_checkpoint_state_save(engine):
+    """Called while a checkpoint is written on each rank.
+
+    Returns a dict ``{name: state}`` of extra state to store in this rank's
+    shard (tensors and plain Python values only), or None.
+    """
+
+
+@hookspec
+def zeroplug_checkpoint_state_load(engine, states):
+    """Called while a checkpoint is loaded, with ``states``: every dict that
+    ``zeroplug_checkpoint_state_save`` returned when it was written, merged.
+    A plugin takes its own keys. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_offload_states(engine, include, device):
+    """Called by ``engine.offload_states`` after the engine's own states moved,
+    with the set of state names and the target device. Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_reload_states(engine):
+    """Called by ``engine.reload_states`` after the engine's own states came back.
+    Returns nothing.
+    """

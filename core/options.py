@@ -1,0 +1,177 @@
+"""Typed, validated options: a TOML table into a frozen dataclass.
+
+Each plugin declares its options as a frozen dataclass; fields carry their
+documentation and limits in ``field(metadata=...)``:
+
+* ``help``    — one sentence for the configuration reference (required: a test checks).
+* ``min`` / ``max`` — inclusive numeric limits.
+* ``alias``   — other accepted spellings (e.g. DeepSpeed's older name).
+
+Types understood: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``,
+``tuple[float, ...]``/``tuple[float, float]``, ``X | None`` and ``X | Literal["auto"]``
+("auto" is then filled from the run by whoever owns the option).
+
+Note: DeepSpeed users write sizes as ``5e8``; TOML parses that as a float, so an
+``int`` option accepts a float with an integral value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+AUTO = "auto"
+
+
+def opt(default: Any, help: str, *, min: float | None = None, max: float | None = None,
+        alias: tuple[str, ...] = ()) -> Any:
+    """A dataclass field with documentation and limits."""
+    meta = {"help": help, "min": min, "max": max, "alias": alias}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use tuples for sequence defaults")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        inner = _describe(args[0]) if args else "value"
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {inner}s"
+        return f"a list of {len(args)} {inner}s"
+    if tp is type(None):
+        return "nothing (omit the key)"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool) or (
+                isinstance(value, bool) and any(a is value for a in typing.get_args(tp))):
+            return value
+        raise _Mismatch
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0]) for v in value)
+        if len(value) != len(args):
+            raise _Mismatch
+        return tuple(_coerce(v, a) for v, a in zip(value, args))
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, bool):
+            raise _Mismatch
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Mismatch
+        return float(value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    raise TypeError(f"unsupported option type {tp!r}")
+
+
+def fields_of(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls, include_extras=False)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+
+
+def suggest(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def build_options(cls: type, table: dict, path: str) -> Any:
+    """Validate ``table`` (the TOML table at ``path``) into an instance of ``cls``."""
+    known = fields_of(cls)
+    aliases = {a: name for name, (f, _) in known.items() for a in f.metadata.get("alias", ())}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        name = aliases.get(key, key)
+        if name not in known:
+            raise ConfigError(
+                f"unknown key {path}.{key}.{suggest(key, list(known) + list(aliases))} "
+                f"Known keys of [{path}]: {', '.join(sorted(known)) or '(none)'}",
+                key=f"{path}.{key}")
+        if name in values:
+            raise ConfigError(f"{path}.{key} is given twice (also as {name!r}); keep one", key=f"{path}.{key}")
+        f, tp = known[name]
+        full = f"{path}.{key}"
+        try:
+            v = _coerce(value, tp)
+        except _Mismatch:
+            raise ConfigError(f"{full} = {value!r} has the wrong type: expected {_describe(tp)}",
+                              key=full) from None
+        lo, hi = f.metadata.get("min"), f.metadata.get("max")
+        nums = v if isinstance(v, tuple) else (v,)
+        for n in nums:
+            if isinstance(n, (int, float)) and not isinstance(n, bool):
+                if lo is not None and n < lo:
+                    raise ConfigError(f"{full} = {value!r} is out of range: it must be >= {lo}", key=full)
+                if hi is not None and n > hi:
+                    raise ConfigError(f"{full} = {value!r} is out of range: it must be <= {hi}", key=full)
+        values[name] = v
+    try:
+        obj = cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{path}]: {exc}", key=path) from None
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        check(path)   # cross-field rules; raises ConfigError naming the key
+    return obj
+
+
+def option_docs(cls: type) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, help) for every option of ``cls``: the docs table."""
+    rows = []
+    for name, (f, tp) in fields_of(cls).items():
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        extra = []
+        if f.metadata.get("min") is not None:
+            extra.append(f">= {f.metadata['min']}")
+        if f.metadata.get("max") is not None:
+            extra.append(f"<= {f.metadata['max']}")
+        if f.metadata.get("alias"):
+            extra.append("alias: " + ", ".join(f.metadata["alias"]))
+        help_ = f.metadata.get("help", "")
+        if extra:
+            help_ = f"{help_} ({'; '.join(extra)})"
+        rows.append((name, _describe(tp), repr(default), help_))
+    return rows

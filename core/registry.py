@@ -1,0 +1,147 @@
+"""Finding plugins and the named implementations they register.
+
+Plugins load only from the ``zeroplug`` entry-point group (built-ins too).
+Two environment variables filter them by entry-point name, comma-separated:
+
+* ``ZEROPLUG_PLUGINS_ALLOW`` — if set, only these entry points load.
+* ``ZEROPLUG_PLUGINS_BLOCK`` — these never load.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from importlib import metadata
+
+import pluggy
+
+from . import hookspecs
+from .errors import PluginError
+
+ENTRY_POINT_GROUP = "zeroplug"
+
+#: slot name (as in TOML) -> registration hook name
+SLOTS = {
+    "zero": "zeroplug_register_partitioners",
+    "precision": "zeroplug_register_precisions",
+    "optimizer": "zeroplug_register_optimizers",
+    "scheduler": "zeroplug_register_schedulers",
+    "offload": "zeroplug_register_offload_devices",
+    "monitor": "zeroplug_register_monitors",
+}
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One named implementation: who registered it and the class itself."""
+    slot: str
+    name: str
+    impl: type
+    plugin: str      # entry-point name of the plugin that registered it
+
+
+def _env_list(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return {x.strip() for x in raw.split(",") if x.strip()}
+
+
+class PluginManager:
+    """Holds the loaded plugins and, per slot, the implementations by name."""
+
+    def __init__(self, load_entry_points: bool = True):
+        self.pm = pluggy.PluginManager("zeroplug")
+        self.pm.add_hookspecs(hookspecs)
+        self.hook = self.pm.hook
+        self.versions: dict[str, str] = {}
+        self._registry: dict[str, dict[str, Registered]] | None = None
+        if load_entry_points:
+            self.load_entry_points()
+
+    def load_entry_points(self) -> None:
+        allow = _env_list("ZEROPLUG_PLUGINS_ALLOW")
+        block = _env_list("ZEROPLUG_PLUGINS_BLOCK") or set()
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in block or (allow is not None and ep.name not in allow):
+                continue
+            if self.pm.has_plugin(ep.name):
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # a broken third-party plugin names itself
+                raise PluginError(
+                    f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}. "
+                    f"Fix or uninstall it, or skip it with ZEROPLUG_PLUGINS_BLOCK={ep.name}"
+                ) from exc
+            self.register(module, ep.name, version=ep.dist.version if ep.dist else "?")
+
+    def register(self, plugin, name: str, version: str = "?") -> None:
+        """Add a plugin object (a module or an instance with hookimpls)."""
+        self.pm.register(plugin, name=name)
+        self.versions[name] = version
+        self._registry = None
+
+    # -- named implementations -------------------------------------------------
+    def registry(self) -> dict[str, dict[str, Registered]]:
+        if self._registry is None:
+            reg: dict[str, dict[str, Registered]] = {slot: {} for slot in SLOTS}
+            for slot, hook_name in SLOTS.items():
+                hook = getattr(self.hook, hook_name)
+                for impl in hook.get_hookimpls():
+                    def register(name: str, cls: type, _slot=slot, _plugin=impl.plugin_name):
+                        if not hasattr(cls, "Options"):
+                            raise PluginError(f"{_plugin}: {_slot} implementation {name!r} "
+                                              "has no Options dataclass")
+                        if name in reg[_slot]:
+                            other = reg[_slot][name].plugin
+                            raise PluginError(f"{_slot} implementation {name!r} is registered by "
+                                              f"both {other!r} and {_plugin!r}; block one with "
+                                              f"ZEROPLUG_PLUGINS_BLOCK")
+                        reg[_slot][name] = Registered(_slot, name, cls, _plugin)
+                    impl.function(register=register)
+            self._registry = reg
+        return self._registry
+
+    def names(self, slot: str) -> list[str]:
+        return sorted(self.registry()[slot])
+
+    def get(self, slot: str, name: str, key: str) -> Registered:
+        """The implementation ``name`` of ``slot``; ``key`` is the TOML path for errors."""
+        impls = self.registry()[slot]
+        if name not in impls:
+            from .errors import ConfigError
+            close = difflib.get_close_matches(name, impls, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{key} = {name!r} is not a registered {slot} plugin.{hint} "
+                              f"Choose one of: {', '.join(sorted(impls))}", key=key)
+        return impls[name]
+
+    def describe(self) -> list[dict]:
+        """One row per loaded plugin: name, version, hooks it implements, what it registered."""
+        rows = []
+        reg = self.registry()
+        for name, plugin in self.pm.list_name_plugin():
+            hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
+            provides = sorted(f"{r.slot}:{r.name}" for slot in reg.values()
+                              for r in slot.values() if r.plugin == name)
+            rows.append({"name": name, "version": self.versions.get(name, "?"),
+                         "hooks": hooks, "provides": provides})
+        return sorted(rows, key=lambda r: r["name"])
+
+
+_default: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager, loading entry points on first use."""
+    global _default
+    if _default is None:
+        _default = PluginManager()
+    return _default
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager (tests; after installing a plugin)."""
+    global _default
+    _default = None

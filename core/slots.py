@@ -1,0 +1,196 @@
+"""What an implementation registered for each slot must provide.
+
+These are base classes with the methods the engine calls; a plugin subclasses the
+one of its slot (or provides the same methods). Each has a nested ``Options``
+frozen dataclass: its TOML table, validated by core (see :mod:`zeroplug.options`).
+Optional ``check_config(config, choice)`` classmethods apply rules across slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from .comm import Comm
+
+
+@dataclass
+class RunContext:
+    """What every slot implementation may know about the run."""
+    device: torch.device
+    comm: Comm
+    config: Any                      # zeroplug.config.Config
+    hook: Any = None                 # the plugin manager's hook relay
+    # set by the engine while a backward runs: True on the micro-step that ends
+    # gradient accumulation (reductions happen then for stages 0-1).
+    at_boundary: bool = True
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+
+class Precision:
+    """Dtypes and loss scaling. ``param_dtype`` is the model's; masters are fp32."""
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+    def __init__(self, options, run: RunContext):
+        self.options, self.run = options, run
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def update(self, overflow: bool) -> None:
+        """After each optimizer step: ``overflow`` says whether gradients were non-finite."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class OffloadDevice:
+    """Where a kind of state ("optimizer" or "param") lives between uses."""
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options, run: RunContext, kind: str):
+        self.options, self.run, self.kind = options, run, kind
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
+
+    @property
+    def offloaded(self) -> bool:
+        return self.device != self.run.device
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def close(self) -> None:
+        """Release files and buffers (called at exit and on errors)."""
+
+
+class OptimizerFactory:
+    """Builds the ``torch.optim.Optimizer`` over one rank's master tensors."""
+    @dataclass(frozen=True)
+    class Options:
+        lr: float = 1e-3
+
+    def __init__(self, options, run: RunContext):
+        self.options, self.run = options, run
+
+    @property
+    def lr(self) -> float:
+        return self.options.lr
+
+    def build(self, params: list[torch.Tensor], device: torch.device) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+
+class Scheduler:
+    """A learning-rate schedule: the lr to use for a given optimizer step."""
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options, run: RunContext, base_lr: float):
+        self.options, self.run, self.base_lr = options, run, base_lr
+
+    def lr_at(self, step: int) -> float:
+        return self.base_lr
+
+
+class Monitor:
+    """Receives each step's metrics."""
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options, run: RunContext):
+        self.options, self.run = options, run
+
+    def write(self, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Partitioner:
+    """A ZeRO stage: owns the parameters' layout, the gradient reduction and the masters.
+
+    The engine calls, per optimizer step::
+
+        setup(module, precision, offload_optimizer, offload_param)      # once
+        ... forward / backward (the partitioner's hooks do the reductions) ...
+        finish_gradients()          # wait for reductions; master .grad ready
+        grad_norm_sq()              # global squared norm of the master grads
+        [engine scales grads, optimizer.step() over master_params()]
+        publish()                   # masters -> model parameters (+ all-gather)
+        zero_grad()
+    """
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options, run: RunContext):
+        self.options, self.run = options, run
+
+    def setup(self, module: torch.nn.Module, precision: Precision,
+              offload_optimizer: OffloadDevice, offload_param: OffloadDevice) -> None:
+        raise NotImplementedError
+
+    def master_params(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def before_forward(self) -> None:
+        """Called by ``engine(...)`` before each forward."""
+
+    def before_backward(self) -> None:
+        """Called by ``engine.backward`` before each backward (``run.at_boundary`` is set)."""
+
+    def finish_gradients(self) -> None:
+        raise NotImplementedError
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def publish(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def release_all(self) -> None:
+        """Drop every gathered or prefetched copy (stage 3); a no-op elsewhere."""
+
+    def consolidated_state_dict(self, module: torch.nn.Module) -> dict | None:
+        """The full model state dict on rank 0 (None on other ranks)."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank holds, by kind: ``lp_params``, ``lp_grads``, ``hp_params``,
+        ``hp_grads`` (for memory accounting and offload_states)."""
+        return {}
+
+    def iter_grads(self) -> Iterable[torch.Tensor]:
+        return (p.grad for p in self.master_params() if p.grad is not None)

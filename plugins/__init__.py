@@ -1,0 +1,1 @@
+"""Built-in plugins. Each subpackage is registered through the ``zeroplug`` entry-point group."""

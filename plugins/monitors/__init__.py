@@ -1,0 +1,77 @@
+"""Monitors: one metrics line per ``steps_per_print`` steps (stdout) or a CSV file."""
+from __future__ import annotations
+
+import csv
+import sys
+from dataclasses import dataclass
+
+from zeroplug import hookimpl
+from zeroplug.memory import GB
+from zeroplug.options import opt
+from zeroplug.slots import Monitor
+
+FIELDS = ("step", "loss", "lr", "loss_scale", "grad_norm", "samples_per_sec", "avg_samples_per_sec",
+          "tokens_per_sec", "mem_allocated", "max_mem_allocated", "host_rss", "skipped_steps")
+
+
+def format_line(m: dict) -> str:
+    """DeepSpeed's fields, one line: what seed 004's users grep for."""
+    return (f"[zeroplug] step={m['step']} loss={m['loss']:.4f} lr={m['lr']:.3e} "
+            f"loss_scale={m['loss_scale']:g} grad_norm={m['grad_norm']:.3f} "
+            f"CurrSamplesPerSec={m['samples_per_sec']:.2f} RunningAvgSamplesPerSec={m['avg_samples_per_sec']:.2f} "
+            f"tokens/s={m['tokens_per_sec']:.0f} MemAllocated={m['mem_allocated'] / GB:.2f}GB "
+            f"MaxMemAllocated={m['max_mem_allocated'] / GB:.2f}GB RSS={m['host_rss'] / GB:.2f}GB"
+            + (f" skipped={m['skipped_steps']}" if m.get("skipped_steps") else ""))
+
+
+class Stdout(Monitor):
+    """Rank 0 prints one line per steps_per_print steps."""
+    @dataclass(frozen=True)
+    class Options:
+        all_ranks: bool = opt(False, "Print from every rank, not only rank 0.")
+
+    def write(self, metrics):
+        if self.run.rank == 0 or self.options.all_ranks:
+            print(format_line(metrics), file=sys.stderr if metrics.get("to_stderr") else sys.stdout,
+                  flush=True)
+
+
+class CSVMonitor(Monitor):
+    """Rank 0 appends one row per steps_per_print steps to a CSV file."""
+    @dataclass(frozen=True)
+    class Options:
+        path: str = opt("zeroplug_metrics.csv", "The CSV file (created, or appended to).")
+
+    def __init__(self, options, run):
+        super().__init__(options, run)
+        self._file = None
+
+    def write(self, metrics):
+        if self.run.rank != 0:
+            return
+        if self._file is None:
+            self._file = open(self.options.path, "a", newline="")
+            self._writer = csv.DictWriter(self._file, FIELDS, extrasaction="ignore")
+            if self._file.tell() == 0:
+                self._writer.writeheader()
+        self._writer.writerow(metrics)
+        self._file.flush()
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class Quiet(Monitor):
+    """Prints nothing."""
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+
+@hookimpl
+def zeroplug_register_monitors(register):
+    register("stdout", Stdout)
+    register("csv", CSVMonitor)
+    register("none", Quiet)

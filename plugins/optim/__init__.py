@@ -1,0 +1,131 @@
+"""Optimizers over one rank's fp32 master shard (the ``[optimizer]`` slot).
+
+adam / adamw / sgd run torch's fused kernels (CUDA and CPU) or, where a kernel is
+missing, its multi-tensor foreach path; cpu_adam is our CPU Adam for offloaded
+shards; "auto" picks cpu_adam when the optimizer states live on the CPU while the
+model trains on a GPU, else adamw.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from zeroplug import hookimpl
+from zeroplug.errors import ConfigError
+from zeroplug.options import opt
+from zeroplug.slots import OptimizerFactory
+
+IMPLEMENTATION_HELP = ("Kernel: \"fused\" (one kernel for all tensors), \"foreach\" (multi-tensor ops) "
+                       "or \"auto\" (fused where torch has it for the device).")
+
+
+def _kernel_flags(implementation: str, device: torch.device) -> dict:
+    if implementation == "foreach":
+        return {"foreach": True}
+    if implementation == "fused" or device.type in ("cuda", "cpu"):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+@dataclass(frozen=True)
+class AdamOptions:
+    lr: float = opt(1e-3, "Learning rate (the peak, when a schedule warms up to it).", min=0.0)
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam's (beta1, beta2).", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "Added to the denominator for stability.", min=0.0)
+    weight_decay: float = opt(0.0, "Weight decay (decoupled for adamw, L2 for adam).", min=0.0)
+    amsgrad: bool = opt(False, "Use the AMSGrad variant (GPU kernels only).")
+    implementation: Literal["auto", "fused", "foreach"] = opt("auto", IMPLEMENTATION_HELP)
+
+
+class AdamW(OptimizerFactory):
+    """torch.optim.AdamW (decoupled weight decay) on fused or foreach kernels."""
+    Options = AdamOptions
+    torch_cls = torch.optim.AdamW
+
+    def build(self, params, device):
+        o = self.options
+        return self.torch_cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                              amsgrad=o.amsgrad, **_kernel_flags(o.implementation, device))
+
+
+class Adam(AdamW):
+    """torch.optim.Adam (L2 weight decay added to the gradient)."""
+    torch_cls = torch.optim.Adam
+
+
+@dataclass(frozen=True)
+class CPUAdamOptions:
+    lr: float = opt(1e-3, "Learning rate.", min=0.0)
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam's (beta1, beta2).", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "Added to the denominator for stability.", min=0.0)
+    weight_decay: float = opt(0.0, "Weight decay.", min=0.0)
+    adamw_mode: bool = opt(True, "true: decoupled weight decay (AdamW); false: L2 (Adam).")
+    bias_correction: bool = opt(True, "Apply Adam's bias correction.")
+    amsgrad: bool = opt(False, "Not implemented by cpu_adam: setting it true is an error.")
+
+    def validate(self, path: str) -> None:
+        if self.amsgrad:
+            raise ConfigError(f"{path}.amsgrad = true: cpu_adam does not implement AMSGrad; use "
+                              f"{path}.plugin = \"adamw\" (optimizer on the GPU) or set amsgrad = false",
+                              key=f"{path}.amsgrad")
+
+
+class CPUAdam(OptimizerFactory):
+    """Our multi-threaded, single-pass Adam/AdamW for fp32 shards in CPU memory."""
+    Options = CPUAdamOptions
+
+    def build(self, params, device):
+        from .cpu_adam import CPUAdam as Impl
+        o = self.options
+        return Impl(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                    adamw_mode=o.adamw_mode, bias_correction=o.bias_correction)
+
+
+class AutoOptimizer(OptimizerFactory):
+    """cpu_adam when the optimizer states are offloaded to the CPU, else adamw."""
+    Options = CPUAdamOptions
+
+    def build(self, params, device):
+        o = self.options
+        if device.type == "cpu" and self.run.device.type != "cpu":
+            return CPUAdam(o, self.run).build(params, device)
+        return AdamW(AdamOptions(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay),
+                     self.run).build(params, device)
+
+
+@dataclass(frozen=True)
+class SGDOptions:
+    lr: float = opt(1e-3, "Learning rate.", min=0.0)
+    momentum: float = opt(0.0, "Momentum factor.", min=0.0)
+    dampening: float = opt(0.0, "Dampening for momentum.", min=0.0)
+    weight_decay: float = opt(0.0, "L2 weight decay.", min=0.0)
+    nesterov: bool = opt(False, "Nesterov momentum (needs momentum > 0 and dampening = 0).")
+    implementation: Literal["auto", "fused", "foreach"] = opt("auto", IMPLEMENTATION_HELP)
+
+    def validate(self, path: str) -> None:
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError(f"{path}.nesterov = true needs momentum > 0 and dampening = 0 "
+                              f"(got momentum = {self.momentum}, dampening = {self.dampening})",
+                              key=f"{path}.nesterov")
+
+
+class SGD(OptimizerFactory):
+    """torch.optim.SGD."""
+    Options = SGDOptions
+
+    def build(self, params, device):
+        o = self.options
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, dampening=o.dampening,
+                               weight_decay=o.weight_decay, nesterov=o.nesterov,
+                               **_kernel_flags(o.implementation, device))
+
+
+@hookimpl
+def zeroplug_register_optimizers(register):
+    register("adamw", AdamW)
+    register("adam", Adam)
+    register("sgd", SGD)
+    register("cpu_adam", CPUAdam)
+    register("auto", AutoOptimizer)

@@ -1,0 +1,13 @@
+"""ZeRO stages 0-3 as partitioner plugins (the ``[zero]`` slot)."""
+from zeroplug import hookimpl
+
+from .partitioner import Stage0, Stage1, Stage2
+from .stage3 import Stage3
+
+
+@hookimpl
+def zeroplug_register_partitioners(register):
+    register("stage0", Stage0)
+    register("stage1", Stage1)
+    register("stage2", Stage2)
+    register("stage3", Stage3)

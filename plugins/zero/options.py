@@ -1,0 +1,38 @@
+"""Options of the ``[zero]`` table, shared by the stage plugins (DeepSpeed's names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from zeroplug.options import AUTO, opt
+
+STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+               "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save")
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    reduce_bucket_size: int | Literal["auto"] = opt(
+        5e8, "Elements per gradient bucket reduced at a time during backward; \"auto\" = hidden_size^2.",
+        min=1)
+    allgather_bucket_size: int = opt(5e8, "Elements all-gathered at a time when publishing updated "
+                                          "parameters (stages 1-2).", min=1)
+    overlap_comm: bool = opt(True, "Launch each bucket's reduction as soon as it fills, overlapping "
+                                   "backward; false waits for each reduction before going on.")
+    reduce_scatter: bool = opt(True, "Stage 2-3: reduce-scatter gradients into shards; false "
+                                     "all-reduces them and keeps this rank's part.")
+    contiguous_gradients: bool = opt(True, "Copy gradients into a contiguous bucket as they are "
+                                           "produced (always on: kept for DeepSpeed configs).")
+    sub_group_size: int = opt(1e9, "Elements of a rank's shard stepped (and offloaded) at a time.", min=1)
+    stage3_prefetch_bucket_size: int | Literal["auto"] = opt(
+        AUTO, "Stage 3: elements gathered ahead of use, following the recorded order; "
+              "\"auto\" = 0.9 x hidden_size^2.", min=0)
+    stage3_max_live_parameters: int = opt(1e9, "Stage 3: most gathered elements kept live before "
+                                               "prefetching stops.", min=0)
+    stage3_max_reuse_distance: int = opt(1e9, "Stage 3: keep a gathered module if it is used again "
+                                              "within this many elements of execution.", min=0)
+    stage3_param_persistence_threshold: int | Literal["auto"] = opt(
+        AUTO, "Stage 3: modules with fewer parameter elements stay whole on every rank; "
+              "\"auto\" = 10 x hidden_size.", min=0)
+    stage3_gather_16bit_weights_on_model_save: bool = opt(
+        True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")

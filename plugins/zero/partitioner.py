@@ -1,0 +1,284 @@
+"""One partitioner for every stage; the stages differ only in what is sharded.
+
+=======  =================  ====================  ==========================
+stage    optimizer states   gradients             parameters
+=======  =================  ====================  ==========================
+0        whole              all-reduced, whole    whole
+1        sharded            all-reduced, whole    whole, all-gathered
+2        sharded            reduce-scattered      whole, all-gathered
+3        sharded            reduce-scattered      sharded, gathered per use
+=======  =================  ====================  ==========================
+
+Note: when the model is fp32 and the optimizer lives on the model's device, the
+master weights *are* this rank's slice of the model's flat buffer, and (stages 0-1)
+the master gradients are slices of the flat gradient buffer: no copies at all.
+"""
+from __future__ import annotations
+
+import torch
+
+from zeroplug.flat import FlatLayout, sub_group_ranges
+from zeroplug.slots import Partitioner
+
+from .options import ZeroOptions
+from .unit import Unit
+
+
+def hidden_size(module: torch.nn.Module) -> int:
+    """The model's hidden size as DeepSpeed's "auto" values mean it: the largest input width."""
+    h = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            h = max(h, min(m.in_features, m.out_features))
+        elif isinstance(m, torch.nn.Embedding):
+            h = max(h, m.embedding_dim)
+    return h or 1024
+
+
+class FlatPartitioner(Partitioner):
+    Options = ZeroOptions
+    stage = 0
+    shard_optimizer = False
+    shard_grads = False
+    shard_params = False
+
+    # -- setup ----------------------------------------------------------------------
+    def setup(self, module, precision, offload_optimizer, offload_param):
+        run = self.run
+        self.module, self.precision, self.comm = module, precision, run.comm
+        self.device = run.device
+        self.pdtype, self.rdtype = precision.param_dtype, precision.reduce_dtype
+        self.layout_world = run.world_size if self.shard_optimizer else 1
+        self.layout_rank = run.rank if self.shard_optimizer else 0
+        self.offload_optimizer, self.offload_param = offload_optimizer, offload_param
+        h = hidden_size(module)
+        o = self.options
+        self.bucket_size = h * h if o.reduce_bucket_size == "auto" else o.reduce_bucket_size
+        self._pending: list = []       # (unit, handle, out) reductions in flight
+        self._prepare_module(module)
+        groups = self._group_params(module)
+        self.units = [self._make_unit(i, g) for i, g in enumerate(groups)]
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        self._make_masters()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for u in self.units for p in u.trainable]
+
+    def _prepare_module(self, module):
+        for p in module.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(self.device, self.pdtype)
+        for b in module.buffers():
+            b.data = b.data.to(self.device)
+
+    def _group_params(self, module) -> list[list[torch.nn.Parameter]]:
+        """Consecutive trainable parameters in buckets of at most ``bucket_size`` elements."""
+        groups, cur, n = [], [], 0
+        for p in module.parameters():     # deduplicated: tied weights appear once
+            if not p.requires_grad:
+                continue
+            if cur and n + p.numel() > self.bucket_size:
+                groups.append(cur)
+                cur, n = [], 0
+            cur.append(p)
+            n += p.numel()
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _make_unit(self, index, params) -> Unit:
+        layout = FlatLayout.build(params, self.layout_world)
+        full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
+        layout.copy_in(full, params)
+        unit = Unit(index, params, layout, full, self.layout_rank, sharded_params=False)
+        unit.bind_params()
+        if not self.shard_grads:      # persistent flat gradients; .grad are views
+            unit.grad_flat = torch.zeros_like(full)
+            for p, g in zip(params, layout.views(unit.grad_flat)):
+                p.grad = g
+        return unit
+
+    def _make_masters(self):
+        tier = self.offload_optimizer
+        self.alias = self.pdtype == torch.float32 and tier.device == self.device
+        if self.alias:
+            for u in self.units:
+                u.master = u.shard
+                u.master.grad = (u.grad_flat[u.lo:u.hi] if not self.shard_grads
+                                 else torch.zeros_like(u.shard))
+            self._master_list = [u.master for u in self.units]
+            return
+        total = sum(u.hi - u.lo for u in self.units)
+        self.master_flat = tier.empty(total, torch.float32)
+        self.master_grad_flat = tier.empty(total, torch.float32)
+        self.master_grad_flat.zero_()
+        off = 0
+        for u in self.units:
+            n = u.hi - u.lo
+            u.master = self.master_flat[off:off + n]
+            u.master.copy_(u.shard)
+            u.master.grad = self.master_grad_flat[off:off + n]
+            off += n
+        self._master_list = []
+        for a, b in sub_group_ranges(total, self.options.sub_group_size):
+            t = self.master_flat[a:b]
+            t.grad = self.master_grad_flat[a:b]
+            self._master_list.append(t)
+
+    def master_params(self):
+        return self._master_list
+
+    # -- backward ---------------------------------------------------------------------
+    def before_backward(self) -> None:
+        for u in self.units:
+            u.pending = len(u.trainable)
+            u.reduced = False
+
+    def _on_grad(self, p) -> None:
+        u = self.unit_of[p]
+        if self.shard_grads:
+            if u.bucket is None:
+                u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
+            i = u.position[p]
+            o, n = u.layout.offsets[i], u.layout.numels[i]
+            u.bucket[o:o + n].view_as(p).copy_(p.grad)
+            p.grad = None
+        u.pending -= 1
+        if u.pending == 0 and (self.shard_grads or self.run.at_boundary):
+            self._reduce(u)
+
+    def _reduce(self, u: Unit) -> None:
+        world = self.comm.world_size
+        u.reduced = True
+        if self.shard_grads:
+            buf, u.bucket = u.bucket, None
+        else:
+            buf = u.grad_flat if self.rdtype == self.pdtype else u.grad_flat.to(self.rdtype)
+        if world > 1:
+            buf.mul_(1.0 / world)    # pre-divide: an fp16 sum of N ranks cannot overflow
+        if not self.shard_grads or world == 1:
+            handle = self.comm.all_reduce(buf, async_op=True)
+            out = buf
+        elif self.options.reduce_scatter:
+            out = torch.empty(u.hi - u.lo, dtype=buf.dtype, device=buf.device)
+            handle = self.comm.reduce_scatter(out, buf, async_op=True)
+        else:
+            handle = self.comm.all_reduce(buf, async_op=True)
+            out = buf
+        self._pending.append((u, handle, out))
+        if not self.options.overlap_comm:
+            self._drain()
+        self._after_reduce(u)
+
+    def _after_reduce(self, u: Unit) -> None:
+        """Hook for stage 3: release the unit's gathered parameters."""
+
+    def _drain(self) -> None:
+        for u, handle, out in self._pending:
+            handle.wait()
+            if not self.shard_grads:
+                if out is not u.grad_flat:
+                    u.grad_flat.copy_(out)
+                if not self.alias:
+                    u.master.grad.copy_(u.grad_flat[u.lo:u.hi])
+            else:
+                part = out if out.numel() == u.hi - u.lo else out[u.lo:u.hi]
+                u.master.grad.add_(part.to(u.master.grad.device, non_blocking=True))
+        self._pending.clear()
+
+    def finish_gradients(self) -> None:
+        for u in self.units:
+            if u.reduced or not u.trainable:
+                continue
+            if self.shard_grads and u.bucket is None:
+                continue            # no gradient reached this unit in this backward
+            self._reduce(u)
+        self._drain()
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        grads = [t.grad for t in self._master_list]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norms = torch._foreach_norm(grads)
+        sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+        if self.layout_world > 1:
+            sq = sq.to(self.device)
+            self.comm.all_reduce(sq)
+        return sq
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if u.grad_flat is not None:
+                u.grad_flat.zero_()
+            for p in u.trainable:
+                if self.shard_grads:
+                    p.grad = None
+        if self.alias:
+            if self.shard_grads:
+                for u in self.units:
+                    u.master.grad.zero_()
+        else:
+            self.master_grad_flat.zero_()
+        self.before_backward()
+
+    # -- after the optimizer ----------------------------------------------------------
+    def publish(self) -> None:
+        if not self.alias:
+            for u in self.units:
+                u.shard.copy_(u.master, non_blocking=True)
+        self._gather_after_step()
+
+    def _gather_after_step(self) -> None:
+        if self.layout_world == 1:
+            return
+        handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
+        for h in handles:
+            h.wait()
+
+    # -- views -------------------------------------------------------------------------
+    def gathered_params(self):
+        """Context in which every parameter holds its full value (a no-op below stage 3)."""
+        from contextlib import nullcontext
+        return nullcontext()
+
+    def consolidated_state_dict(self, module) -> dict | None:
+        with self.gathered_params():
+            if self.run.rank != 0:
+                return None
+            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out = {"lp_params": [u.full if not u.sharded_params else u.shard for u in self.units],
+               "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
+               "hp_params": [] if self.alias else [self.master_flat],
+               "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads
+                            else [] if self.alias else [self.master_grad_flat])}
+        return out
+
+    @classmethod
+    def construction_context(cls, options, run, precision):
+        from contextlib import nullcontext
+        return nullcontext()
+
+    @classmethod
+    def check_config(cls, config, choice) -> None:
+        import logging
+        if cls.stage < 3:
+            given = [k for k in config.raw.get("zero", {}) if k.startswith("stage3_")]
+            if given:
+                logging.getLogger("zeroplug").warning(
+                    "[zeroplug] zero.%s applies to stage 3 only; %s ignores it", given[0], choice.name)
+
+
+class Stage0(FlatPartitioner):
+    stage = 0
+
+
+class Stage1(FlatPartitioner):
+    stage = 1
+    shard_optimizer = True
+
+
+class Stage2(FlatPartitioner):
+    stage = 2
+    shard_optimizer = True
+    shard_grads = True

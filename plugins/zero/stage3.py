@@ -1,0 +1,303 @@
+"""Stage 3: parameters sharded too; each module's parameters are gathered just
+before its forward and its backward, and released after.
+
+Prefetch follows the order in which units were fetched in the previous forward
+(and its reverse in backward). When the order changes (eval, generation, a
+conditional branch, a module used twice), nothing fails: a fetch of a unit that
+was not prefetched gathers it on the spot, and every unit that was prefetched but
+not used is drained (its gather waited for) and freed at the end of backward, at
+the start of the next forward and by ``release_all()``. A unit is never "still in
+flight" when someone needs it freed: ``Unit.release`` waits for its gather first.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zeroplug.flat import FlatLayout, free_storage
+
+from .partitioner import Stage2, hidden_size
+from .unit import FREE, INFLIGHT, READY, Unit
+
+
+class InitGroup:
+    """The parameters of one module, partitioned while the model was being built."""
+
+    def __init__(self, params, layout: FlatLayout, shard: torch.Tensor):
+        self.params, self.layout, self.shard = params, layout, shard
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Stage3(Stage2):
+    stage = 3
+    shard_params = True
+
+    def setup(self, module, precision, offload_optimizer, offload_param):
+        o = self.options
+        h = hidden_size(module)
+        self.persist_threshold = 10 * h if o.stage3_param_persistence_threshold == "auto" \
+            else o.stage3_param_persistence_threshold
+        self.prefetch_size = int(0.9 * h * h) if o.stage3_prefetch_bucket_size == "auto" \
+            else o.stage3_prefetch_bucket_size
+        super().setup(module, precision, offload_optimizer, offload_param)
+        self.trace_prev: list[int] = []
+        self.trace_cur: list[int] = []
+        self._callback_queued = False
+        self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
+        for m in module.modules():
+            us = sorted({self.unit_of[p].index for p in m._parameters.values() if p is not None})
+            if us:
+                self.units_of_module[m] = [self.units[i] for i in us]
+                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(m.register_forward_hook(self._post_forward))
+
+    # -- building units from (possibly pre-partitioned) parameters -------------------
+    def _prepare_module(self, module):
+        for b in module.buffers():
+            b.data = b.data.to(self.device)
+
+    def _group_params(self, module):
+        groups, assigned = [], set()
+        for m in module.modules():
+            fresh = []
+            for p in m._parameters.values():
+                if p is None or p in assigned:
+                    continue
+                g = getattr(p, "_zp_group", None)
+                if g is not None:
+                    groups.append(g.params)
+                    assigned.update(g.params)
+                else:
+                    fresh.append(p)
+                    assigned.add(p)
+            if fresh:
+                groups.append(fresh)
+        return groups
+
+    def _make_unit(self, index, params) -> Unit:
+        world, rank = self.layout_world, self.layout_rank
+        group = getattr(params[0], "_zp_group", None)
+        if group is not None:
+            layout, shard = group.layout, group.shard
+            if layout.world_size != world or shard.dtype != self.pdtype:
+                raise RuntimeError(
+                    f"model was built by zeroplug.init for world size {layout.world_size} and "
+                    f"{shard.dtype}, but the engine runs {world} ranks in {self.pdtype}; pass the same "
+                    "config to zeroplug.init and zeroplug.initialize")
+            full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
+            free_storage(full)
+            for p in params:
+                del p._zp_group
+        else:
+            layout = FlatLayout.build(params, world)
+            full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
+            layout.copy_in(full, [p.data.to(self.device, self.pdtype) for p in params])
+            lo, hi = layout.shard_range(rank)
+            shard = full[lo:hi] if world == 1 else full[lo:hi].clone()
+        unit = Unit(index, params, layout, full, rank, sharded_params=world > 1, shard=shard)
+        unit.persistent = world == 1 or layout.total <= self.persist_threshold
+        unit.bind_params()
+        if group is not None:
+            unit.state = FREE
+            if unit.persistent:
+                unit.start_gather(self.comm)
+                unit.wait_gather()
+        elif not unit.persistent:
+            free_storage(full)
+            unit.state = FREE
+        return unit
+
+    # -- forward / backward hooks -----------------------------------------------------
+    def before_forward(self) -> None:
+        if self.trace_cur:
+            self.trace_prev, self.trace_cur = self.trace_cur, []
+        self.release_all()
+
+    def _fetch(self, u: Unit) -> None:
+        if u.state == FREE:
+            u.start_gather(self.comm)
+        u.wait_gather()
+
+    def _prefetch(self, order: list[int], start: int) -> None:
+        """Start gathers for the units after position ``start`` of ``order``."""
+        budget, live = self.prefetch_size, self._live_numel()
+        for idx in order[start + 1:]:
+            u = self.units[idx]
+            if u.state != FREE:
+                continue
+            if budget < u.numel or live + u.numel > self.options.stage3_max_live_parameters:
+                break
+            u.start_gather(self.comm)
+            budget -= u.numel
+            live += u.numel
+
+    def _live_numel(self) -> int:
+        return sum(u.numel for u in self.units if not u.persistent and u.state != FREE)
+
+    def _pre_forward(self, module, args) -> None:
+        units = self.units_of_module[module]
+        backward = _in_backward()
+        for u in units:
+            self._fetch(u)
+            if not backward:
+                pos = len(self.trace_cur)
+                self.trace_cur.append(u.index)
+                prev = self.trace_prev
+                if pos < len(prev) and prev[pos] == u.index:
+                    self._prefetch(prev, pos)
+
+    def _post_forward(self, module, args, output):
+        units = self.units_of_module[module]
+        if torch.is_grad_enabled() and any(p.requires_grad for u in units for p in u.params):
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(lambda grad, m=module: self._pre_backward(m))
+        if _in_backward():
+            return      # activation-checkpoint recompute: the backward that follows needs them
+        for u in units:
+            if not self._reused_soon(u):
+                u.release()
+
+    def _reused_soon(self, u: Unit) -> bool:
+        prev, pos = self.trace_prev, len(self.trace_cur)
+        dist = 0
+        for idx in prev[pos:]:
+            if idx == u.index:
+                return dist <= self.options.stage3_max_reuse_distance
+            dist += self.units[idx].numel
+        return False
+
+    def _pre_backward(self, module) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for u in self.units_of_module[module]:
+            self._fetch(u)
+            order = self.trace_cur[::-1]
+            if u.index in order:
+                self._prefetch(order, order.index(u.index))
+
+    def _after_reduce(self, u: Unit) -> None:
+        u.release()
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        self.release_all()
+
+    def release_all(self) -> None:
+        for u in self.units:
+            u.release()
+
+    # -- after the optimizer ------------------------------------------------------------
+    def publish(self) -> None:
+        self.release_all()
+        if not self.alias:
+            for u in self.units:
+                u.shard.copy_(u.master, non_blocking=True)
+        if self.layout_world > 1:
+            persistent = [u for u in self.units if u.persistent]
+            handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in persistent]
+            for h in handles:
+                h.wait()
+
+    @contextmanager
+    def gathered_params(self):
+        for u in self.units:
+            if u.state == FREE:
+                u.start_gather(self.comm)
+        for u in self.units:
+            u.wait_gather()
+        try:
+            yield
+        finally:
+            self.release_all()
+
+    def consolidated_state_dict(self, module):
+        if not self.options.stage3_gather_16bit_weights_on_model_save:
+            raise RuntimeError("zero.stage3_gather_16bit_weights_on_model_save = false: the weights are "
+                               "sharded; set it to true to save a consolidated model")
+        return super().consolidated_state_dict(module)
+
+    @classmethod
+    def construction_context(cls, options, run, precision):
+        return PartitionedInit(run, precision)
+
+
+class PartitionedInit:
+    """``zeroplug.init`` for stage 3: each module's parameters are sharded as soon as
+    that module's ``__init__`` returns, so the whole model never exists on any rank.
+
+    Note: initial values equal a plain build with the same seed because each module
+    still initialises its full parameters in its own constructor, consuming the RNG
+    in the same order; only then is the rank's slice kept. The largest layer exists
+    whole for a moment, nothing bigger.
+    """
+
+    def __init__(self, run, precision):
+        self.run, self.dtype = run, precision.param_dtype
+        self._patched: list[tuple[type, object]] = []
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        params = [p for p in module._parameters.values()
+                  if p is not None and not hasattr(p, "_zp_group")]
+        if not params:
+            return
+        world, rank = self.run.world_size, self.run.rank
+        layout = FlatLayout.build(params, world)
+        lo, hi = layout.shard_range(rank)
+        shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.run.device)
+        for i, a, b in layout.shard_pieces(rank):
+            dst = layout.offsets[i] + a - lo
+            shard[dst:dst + b - a].copy_(params[i].data.reshape(-1)[a:b])
+        group = InitGroup(params, layout, shard)
+        for p in params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.run.device)
+            p._zp_group = group
+
+    def _wrap(self, cls: type) -> None:
+        orig = cls.__dict__.get("__init__")
+        if orig is None or getattr(orig, "_zp_wrapped", False):
+            return
+        ctx = self
+
+        def __init__(module, *args, **kwargs):
+            depth = module.__dict__.get("_zp_init_depth", 0)
+            object.__setattr__(module, "_zp_init_depth", depth + 1)
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                object.__setattr__(module, "_zp_init_depth", depth)
+            if depth == 0:
+                ctx._partition(module)
+        __init__._zp_wrapped = True
+        cls.__init__ = __init__
+        self._patched.append((cls, orig))
+
+    def __enter__(self):
+        def walk(c):
+            self._wrap(c)
+            for s in c.__subclasses__():
+                walk(s)
+        walk(torch.nn.Module)
+        ctx = self
+        self._orig_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def __init_subclass__(cls, **kw):
+            super(torch.nn.Module, cls).__init_subclass__(**kw)
+            ctx._wrap(cls)
+        torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, orig in reversed(self._patched):
+            cls.__init__ = orig
+        if self._orig_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._orig_subclass
+        return False

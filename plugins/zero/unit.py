@@ -1,0 +1,79 @@
+"""A unit: the parameters that are laid out, reduced and gathered together.
+
+Stages 0-2 form units from consecutive parameters up to ``reduce_bucket_size``
+elements (one gradient bucket each); stage 3 forms one unit per module (the
+parameters gathered before that module runs). Every unit owns:
+
+* ``full``  — the model-dtype flat buffer; each parameter's ``.data`` is a view of
+  it. Stage 3 frees its storage between uses (views stay valid objects).
+* ``shard`` — this rank's slice of ``full`` (a view) or, when parameters are
+  sharded (stage 3), a separate tensor that persists.
+* ``master`` / ``master.grad`` — the fp32 slice of this rank's optimizer shard.
+"""
+from __future__ import annotations
+
+import torch
+
+from zeroplug.flat import FlatLayout, alloc_storage, free_storage
+
+FREE, INFLIGHT, READY = "free", "inflight", "ready"
+
+
+class Unit:
+    def __init__(self, index: int, params: list[torch.nn.Parameter], layout: FlatLayout,
+                 full: torch.Tensor, rank: int, sharded_params: bool, shard: torch.Tensor | None = None):
+        self.index = index
+        self.params = params
+        self.trainable = [p for p in params if p.requires_grad]
+        self.position = {p: i for i, p in enumerate(params)}   # keyed by identity
+        self.layout = layout
+        self.full = full
+        self.lo, self.hi = layout.shard_range(rank)
+        self.sharded_params = sharded_params
+        self.shard = shard if shard is not None else full[self.lo:self.hi]
+        self.master: torch.Tensor | None = None
+        self.grad_flat: torch.Tensor | None = None     # stages 0-1: persistent, params' .grad are views
+        self.bucket: torch.Tensor | None = None        # stages 2-3: transient, filled by the hooks
+        self.pending = len(self.trainable)
+        self.reduce_handle = None
+        self.reduce_out: torch.Tensor | None = None
+        self.reduced = False
+        # stage 3 gathering
+        self.state = READY
+        self.gather_handle = None
+        self.persistent = not sharded_params
+
+    @property
+    def numel(self) -> int:
+        return self.layout.padded
+
+    def bind_params(self) -> None:
+        """Point every parameter's ``.data`` at its view of ``full`` (storage kept as it was)."""
+        freed = self.full.untyped_storage().size() == 0
+        alloc_storage(self.full)
+        for p, v in zip(self.params, self.layout.views(self.full)):
+            p.data = v
+        if freed:
+            free_storage(self.full)
+
+    # -- stage 3: gather / release ------------------------------------------------
+    def start_gather(self, comm) -> None:
+        if self.state != FREE:
+            return
+        alloc_storage(self.full)
+        self.gather_handle = comm.all_gather(self.full, self.shard, async_op=True)
+        self.state = INFLIGHT
+
+    def wait_gather(self) -> None:
+        if self.state == INFLIGHT:
+            self.gather_handle.wait()
+            self.gather_handle = None
+            self.state = READY
+
+    def release(self) -> None:
+        """Free the gathered copy; waits for an in-flight gather first (never "still in flight")."""
+        if self.persistent or self.state == FREE:
+            return
+        self.wait_gather()
+        free_storage(self.full)
+        self.state = FREE

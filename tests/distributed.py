@@ -1,0 +1,56 @@
+"""Run a function on N real ranks (spawned processes, gloo on CPU) and collect results."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    result = None
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = ("ok", fn(rank, world, *args))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    finally:
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args):
+    """``fn(rank, world, *args)`` on each rank; returns the list of results by rank.
+
+    World size 1 runs in this process (no process group), like a plain script.
+    """
+    if world == 1:
+        return [fn(0, 1, *args)]
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_worker, args=(world, _free_port(), fn, args, outdir), nprocs=world,
+                           start_method="spawn")
+        results = []
+        for r in range(world):
+            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results

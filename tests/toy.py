@@ -1,0 +1,76 @@
+"""Small models and a reference loop shared by the tests."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class ToyNet(torch.nn.Module):
+    """Embedding -> 2 residual MLP blocks -> LayerNorm -> head; odd sizes on purpose (padding)."""
+
+    def __init__(self, vocab=37, d=24, hidden=50):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d))
+            for _ in range(2))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x, y=None):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        logits = self.head(self.norm(h))
+        if y is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+
+
+def batches(steps, global_batch, seq=8, vocab=37, seed=1234):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (global_batch, seq), generator=g)
+        y = torch.randint(0, vocab, (global_batch, seq), generator=g)
+        yield x, y
+
+
+def reference_losses(model_fn, steps, global_batch, lr=1e-2, clip=0.0, weight_decay=0.01):
+    """Single-process torch.optim.AdamW on the full batch: the ground truth."""
+    torch.manual_seed(0)
+    model = model_fn()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for x, y in batches(steps, global_batch):
+        loss = model(x, y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_init=False):
+    """The same run through zeroplug; each rank takes its slice of the global batch."""
+    import zeroplug
+    torch.manual_seed(0)
+    if use_init:
+        with zeroplug.init(config):
+            model = model_fn()
+    else:
+        model = model_fn()
+    engine = zeroplug.initialize(model, config)
+    per = global_batch // world
+    losses = []
+    for x, y in batches(steps, global_batch):
+        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        loss = engine(xs, ys)
+        engine.backward(loss)
+        engine.step()
+        # the global loss: mean over ranks of the per-rank mean
+        t = loss.detach().float().clone()
+        engine.run.comm.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses, engine
