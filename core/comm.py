@@ -26,6 +26,11 @@ class _Done:
 
 DONE = _Done()
 
+# Note: torch 2.13 renamed the flat-tensor collectives (the old names warn); the
+# GPU image has torch 2.11, which only has the old ones.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Comm:
     def __init__(self, group=None):
@@ -52,7 +57,7 @@ class Comm:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return DONE
-        return dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op) or DONE
+        return _reduce_scatter_flat(out, inp, group=self.group, async_op=async_op) or DONE
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Every rank's ``inp`` side by side in ``out``; ``inp`` may be this rank's chunk of ``out``."""
@@ -60,7 +65,7 @@ class Comm:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return DONE
-        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op) or DONE
+        return _all_gather_flat(out, inp, group=self.group, async_op=async_op) or DONE
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         if self.distributed:

@@ -45,6 +45,9 @@ def _describe(tp: Any) -> str:
     if origin is tuple:
         args = typing.get_args(tp)
         inner = _describe(args[0]) if args else "value"
+        for article in ("a ", "an "):     # "a number" -> "numbers"
+            if inner.startswith(article):
+                inner = inner[len(article):]
         if len(args) == 2 and args[1] is Ellipsis:
             return f"a list of {inner}s"
         return f"a list of {len(args)} {inner}s"
@@ -142,6 +145,8 @@ def build_options(cls: type, table: dict, path: str) -> Any:
         lo, hi = f.metadata.get("min"), f.metadata.get("max")
         nums = v if isinstance(v, tuple) else (v,)
         for n in nums:
+            if isinstance(n, float) and n != n:
+                raise ConfigError(f"{full} = nan is not a number; give a finite value", key=full)
             if isinstance(n, (int, float)) and not isinstance(n, bool):
                 if lo is not None and n < lo:
                     raise ConfigError(f"{full} = {value!r} is out of range: it must be >= {lo}", key=full)

@@ -1,0 +1,267 @@
+"""``zeroplug train | plugins | estimate | convert | docs``.
+
+Config precedence everywhere: command line (``--section.key=value``) > file > defaults.
+Every configuration mistake prints ``error: ...`` and exits 2, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import ZeroplugError
+
+DEFAULT_CONFIG = Path(__file__).with_name("zero.toml")
+
+
+def _split_overrides(argv):
+    """``--section.key=value`` items (a dot before '=') are config overrides; the rest is argparse's."""
+    overrides, rest = [], []
+    for a in argv:
+        head = a.split("=", 1)[0]
+        if a.startswith("--") and "." in head:
+            overrides.append(a)
+        else:
+            rest.append(a)
+    return overrides, rest
+
+
+class Progress:
+    """A one-line progress bar on a terminal; a plain line every 10% otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.t0 = total, enabled, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.last_pct = -1
+
+    def update(self, done: int, loss: float | None) -> None:
+        if not self.enabled:
+            return
+        el = time.perf_counter() - self.t0
+        eta = el / done * (self.total - done) if done else 0.0
+        frac = done / self.total
+        loss_s = f" loss {loss:.3f}" if loss is not None else ""
+        if self.tty:
+            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+            end = "\n" if done == self.total else ""
+            print(f"\r[{bar}] {done}/{self.total}{loss_s} {el:.0f}s eta {eta:.0f}s", end=end,
+                  file=sys.stderr, flush=True)
+        elif int(frac * 10) > self.last_pct:
+            self.last_pct = int(frac * 10)
+            print(f"progress {done}/{self.total} ({frac:.0%}){loss_s} elapsed {el:.0f}s eta {eta:.0f}s",
+                  file=sys.stderr, flush=True)
+
+
+def cmd_train(args, overrides) -> int:
+    import torch
+
+    from . import config as config_mod
+    from .comm import init_distributed_from_env
+    from .data import ByteBatches, load_text, stdlib_corpus
+    from .engine import initialize
+    from .models import GPT, get_preset
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_distributed_from_env(device)
+    cfg_path = args.config or (Path("zero.toml") if Path("zero.toml").is_file() else DEFAULT_CONFIG)
+    raw = config_mod.read_file(cfg_path)
+    if device == "cuda" and "precision" not in raw and not any(o.startswith("--precision.") for o in overrides):
+        overrides = ["--precision.plugin=bf16", *overrides]       # the GPU default
+    from .engine import make_run
+    cfg, run, _ = make_run(config_mod.apply_overrides(raw, overrides), device=device)
+    rank, world = run.rank, run.world_size
+    if rank == 0:
+        print(f"zeroplug train: config {cfg_path} | zero={cfg.slot('zero').name} "
+              f"precision={cfg.slot('precision').name} optimizer={cfg.slot('optimizer').name} "
+              f"world_size={world} device={device} micro_batch={cfg.batch.micro_batch_size} "
+              f"accumulation={cfg.batch.gradient_accumulation_steps}", flush=True)
+
+    try:
+        if args.data:
+            corpus, source = load_text(args.data), args.data
+        else:
+            corpus, source = stdlib_corpus(max_bytes=args.max_bytes), "the Python standard library's sources"
+        mcfg = get_preset(args.model)
+    except (OSError, KeyError, ValueError) as exc:
+        raise ZeroplugError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
+    seq = min(args.seq or mcfg.seq_len, mcfg.seq_len)
+    torch.manual_seed(args.seed)
+    model = GPT(mcfg)
+    engine = initialize(model, cfg, device=device)
+    data = ByteBatches(corpus, cfg.batch.micro_batch_size, seq, seed=args.seed, rank=rank,
+                       world_size=world, device=device)
+    if rank == 0:
+        print(f"model {args.model}: {sum(p.numel() for p in model.parameters()):,} parameters; "
+              f"data: {len(corpus):,} bytes of {source}", flush=True)
+
+    def eval_loss() -> float:
+        engine.eval()
+        with torch.no_grad():
+            x, y = data.eval_batch(64)
+            loss = engine(x, y).float().item()
+        engine.train()
+        return loss
+
+    start_eval = eval_loss()
+    progress = Progress(args.steps, enabled=rank == 0)
+    first = last = None
+    gas = cfg.batch.gradient_accumulation_steps
+    for step in range(args.steps):
+        total = 0.0
+        for _ in range(gas):
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / gas
+        first = total if first is None else first
+        last = total
+        progress.update(step + 1, total)
+    end_eval = eval_loss()
+    engine.close()
+    if rank == 0:
+        print(f"train loss: first step {first:.4f} -> last step {last:.4f}")
+        print(f"held-out loss: start {start_eval:.4f} -> end {end_eval:.4f} "
+              f"({'lower' if end_eval < start_eval else 'NOT lower'}; "
+              f"{start_eval / math.log(2):.2f} -> {end_eval / math.log(2):.2f} bits per byte)")
+    return 0
+
+
+def cmd_plugins(args, overrides) -> int:
+    from .registry import get_plugin_manager
+    pm = get_plugin_manager()
+    for row in pm.describe():
+        print(f"{row['name']} {row['version']}")
+        print(f"    provides: {', '.join(row['provides']) or '-'}")
+        print(f"    hooks:    {', '.join(row['hooks'])}")
+    return 0
+
+
+def cmd_estimate(args, overrides) -> int:
+    from .memory import GB, estimate_model_states
+    from .models import get_preset, param_count
+    n = int(float(args.params)) if args.params else param_count(get_preset(args.model))
+    print(f"model states per rank for {n:,} parameters, world size {args.world_size}, "
+          f"{'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}")
+    for stage in (0, 1, 2, 3):
+        for off_opt, off_par in ((False, False), (True, False), (True, True)):
+            if off_par and stage < 3 or off_opt and stage == 0:
+                continue
+            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par)
+            label = "param+optim" if off_par else "optim" if off_opt else "none"
+            print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}")
+    return 0
+
+
+def cmd_convert(args, overrides) -> int:
+    import json
+
+    from .convert import from_deepspeed, to_toml
+    try:
+        ds = json.loads(Path(args.file).read_text())
+    except FileNotFoundError:
+        raise ZeroplugError(f"{args.file}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise ZeroplugError(f"{args.file}: not valid JSON: {exc}") from None
+    notes: list[str] = []
+    text = to_toml(from_deepspeed(ds, notes))
+    for note in notes:
+        print(f"# note: {note}")
+    print(text, end="")
+    return 0
+
+
+def cmd_docs(args, overrides) -> int:
+    from .config import CORE_TABLES, SLOT_TABLES
+    from .options import option_docs
+    from .registry import get_plugin_manager
+    pm = get_plugin_manager()
+    out = ["# Configuration reference", "",
+           "Generated by `zeroplug docs` from the options each plugin declares. One rule: each slot is a",
+           "table with a `plugin` key naming who fills it; the other keys are that plugin's options.", ""]
+
+    def table(title, cls):
+        out.extend([f"### {title}", "", (cls.__doc__ or "").strip().split("\n")[0], "",
+                    "| key | type | default | meaning |", "| --- | --- | --- | --- |"])
+        out.extend(f"| `{n}` | {t} | `{d}` | {h} |" for n, t, d, h in option_docs(cls))
+        out.append("")
+    out.append("## Core tables\n")
+    for name, cls in CORE_TABLES.items():
+        table(f"[{name}]", cls)
+    done = set()
+    for path, (slot, default) in SLOT_TABLES.items():
+        if slot in done:
+            continue
+        done.add(slot)
+        paths = [p for p, (s, _) in SLOT_TABLES.items() if s == slot]
+        out.append(f"## [{'] / ['.join(paths)}] — slot `{slot}` (default plugin: `{default}`)\n")
+        for name in pm.names(slot):
+            impl = pm.registry()[slot][name].impl
+            out.append(f"#### plugin = \"{name}\" — {(impl.__doc__ or '').strip().splitlines()[0]}\n")
+            opts = option_docs(impl.Options)
+            if opts:
+                out.extend(["| key | type | default | meaning |", "| --- | --- | --- | --- |"])
+                out.extend(f"| `{n}` | {t} | `{d}` | {h} |" for n, t, d, h in opts)
+            else:
+                out.append("No options.")
+            out.append("")
+    print("\n".join(out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zeroplug", description="Plugin-based ZeRO training for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the built-in GPT on a text corpus (default: the stdlib's sources)",
+                       epilog="Any --section.key=value overrides the config, e.g. --zero.plugin=stage2")
+    t.add_argument("--config", help="TOML (or DeepSpeed JSON) config; default: ./zero.toml, else the packaged one")
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    t.add_argument("--data", help="train on this text file instead of the stdlib corpus")
+    t.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="cpu (default), cuda, or auto (cuda when present)")
+    t.add_argument("--model", default="char-tiny", help="model preset (default char-tiny)")
+    t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
+    t.set_defaults(fn=cmd_train)
+    sub.add_parser("plugins", help="list plugins, their versions, hooks and implementations").set_defaults(
+        fn=cmd_plugins)
+    e = sub.add_parser("estimate", help="model-state memory per rank for each stage and offload")
+    e.add_argument("--model", default="1.3B", help="a model preset (default 1.3B)")
+    e.add_argument("--params", help="parameter count instead of a preset, e.g. 6.7e9")
+    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
+    e.set_defaults(fn=cmd_estimate)
+    c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
+    c.add_argument("file")
+    c.set_defaults(fn=cmd_convert)
+    sub.add_parser("docs", help="print the configuration reference (markdown)").set_defaults(fn=cmd_docs)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides, rest = _split_overrides(argv)
+    args = build_parser().parse_args(rest)
+    try:
+        return args.fn(args, overrides)
+    except (ZeroplugError, MemoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
