@@ -35,14 +35,14 @@ def batches(steps, global_batch, seq=8, vocab=37, seed=1234):
         yield x, y
 
 
-def reference_losses(model_fn, steps, global_batch, lr=1e-2, clip=0.0, weight_decay=0.01):
+def reference_losses(model_fn, steps, global_batch, lr=1e-2, clip=0.0, weight_decay=0.01, device="cpu"):
     """Single-process torch.optim.AdamW on the full batch: the ground truth."""
     torch.manual_seed(0)
-    model = model_fn()
+    model = model_fn().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     for x, y in batches(steps, global_batch):
-        loss = model(x, y)
+        loss = model(x.to(device), y.to(device))
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -52,21 +52,22 @@ def reference_losses(model_fn, steps, global_batch, lr=1e-2, clip=0.0, weight_de
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_init=False):
+def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_init=False, device=None):
     """The same run through zeroplug; each rank takes its slice of the global batch."""
     import zeroplug
     torch.manual_seed(0)
     if use_init:
-        with zeroplug.init(config):
+        with zeroplug.init(config, device=device):
             model = model_fn()
     else:
         model = model_fn()
-    engine = zeroplug.initialize(model, config)
+    engine = zeroplug.initialize(model, config, device=device)
+    dev = engine.run.device
     per = global_batch // world
     losses = []
     for x, y in batches(steps, global_batch):
         xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-        loss = engine(xs, ys)
+        loss = engine(xs.to(dev), ys.to(dev))
         engine.backward(loss)
         engine.step()
         # the global loss: mean over ranks of the per-rank mean

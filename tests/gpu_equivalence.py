@@ -1,0 +1,50 @@
+"""Every stage x precision on N GPUs (NCCL) against single-GPU torch.optim.AdamW.
+
+Run: torchrun --nproc-per-node N tests/gpu_equivalence.py   (prints a table; exit 1 on a miss)
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from toy import ToyNet, engine_losses, reference_losses  # noqa: E402
+
+TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}   # relative loss; bf16/fp16 round the parameters
+
+
+def main() -> int:
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    steps, batch = 20, 8
+    ref, _ = reference_losses(ToyNet, steps, batch, clip=0.5, device="cuda")
+    bad = 0
+    for stage in ("stage0", "stage1", "stage2", "stage3"):
+        for prec in ("fp32", "bf16", "fp16"):
+            cfg = {"zero": {"plugin": stage, "reduce_bucket_size": 500,
+                            "stage3_param_persistence_threshold": 0},
+                   "precision": {"plugin": prec},
+                   "optimizer": {"plugin": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+                   "batch": {"micro_batch_size": batch // world, "gradient_clipping": 0.5},
+                   "monitor": {"plugin": "none"}}
+            losses, _ = engine_losses(ToyNet, steps, batch, cfg, rank, world,
+                                      use_init=stage == "stage3", device="cuda")
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+            ok = rel <= TOL[prec]
+            bad += not ok
+            if rank == 0:
+                print(f"world={world} {stage} {prec}: max rel loss diff {rel:.2e} "
+                      f"(tol {TOL[prec]:.0e}) {'OK' if ok else 'MISS'}", flush=True)
+    dist.destroy_process_group()
+    if rank == 0:
+        print("ALL OK" if not bad else f"{bad} MISSES")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

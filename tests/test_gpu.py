@@ -1,0 +1,36 @@
+"""GPU tests: skipped without CUDA. Run on the device machines."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from toy import ToyNet, engine_losses, reference_losses
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+HERE = os.path.dirname(__file__)
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage1", "stage2", "stage3"])
+@pytest.mark.parametrize("prec,tol", [("fp32", 1e-5), ("bf16", 2e-2)])
+def test_single_gpu_matches_torch(stage, prec, tol):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref, _ = reference_losses(ToyNet, 20, 8, device="cuda")
+    cfg = {"zero": {"plugin": stage, "reduce_bucket_size": 500}, "precision": {"plugin": prec},
+           "optimizer": {"plugin": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+           "batch": {"micro_batch_size": 8}, "monitor": {"plugin": "none"}}
+    losses, engine = engine_losses(ToyNet, 20, 8, cfg, device="cuda")
+    assert engine.run.device.type == "cuda"
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= tol
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_nccl_equivalence(n):
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
+                          os.path.join(HERE, "gpu_equivalence.py")], capture_output=True, text=True,
+                         timeout=600)
+    print(out.stdout[-4000:], out.stderr[-2000:])
+    assert out.returncode == 0 and "ALL OK" in out.stdout
