@@ -2,3 +2,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import toy / distributed helpers
+
+import torch  # noqa: E402
+
+# Note: the tests use tiny models; with torch's default threads on a busy 2-core
+# machine a small op can take 1000x longer than on one thread.
+torch.set_num_threads(1)
