@@ -75,6 +75,8 @@ class Engine:
         self.lr_step = 0              # steps taken: what the schedule counts
         self.tokens_per_sample: int | None = None
         self.states_offloaded: set[str] = set()
+        from .offload_states import StateMover
+        self._mover = StateMover()
         self._loss_sum = None
         self._last_step_end = None
         self._timed = (0, 0.0)        # (steps, seconds) for the running average
@@ -83,6 +85,7 @@ class Engine:
 
     # -- the training step -------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
+        self._require_states("forward")
         if self.tokens_per_sample is None and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
             self.tokens_per_sample = int(inputs[0].shape[1])
         self.partitioner.before_forward()
@@ -204,6 +207,31 @@ class Engine:
         self.run.comm.barrier()
         return sd is not None
 
+    # -- offload_states / reload_states ---------------------------------------------
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
+                       non_blocking: bool = False, nvme_path: str | None = None) -> None:
+        """Move training states off the device (``include``: names or OffloadStateTypeEnum;
+        default all). ``device``: "cpu" or "nvme" (files under ``nvme_path``). Harmless to repeat."""
+        from .offload_states import ALL_STATES, engine_state_tensors, state_name
+        dev = device.value if hasattr(device, "value") else str(device)
+        if dev not in ("cpu", "nvme"):
+            raise StateError(f"offload_states(device={dev!r}): choose \"cpu\" or \"nvme\"")
+        names = [state_name(s) for s in include] if include is not None else list(ALL_STATES)
+        self.partitioner.release_all()      # drains in-flight prefetches first (stage 3)
+        if self.run.device.type == "cuda":
+            torch.cuda.synchronize()
+        tensors = engine_state_tensors(self)
+        for name in names:
+            self._mover.offload(name, tensors[name], dev, pin_memory, non_blocking, nvme_path)
+            self.states_offloaded.add(name)
+        self.hook.zeroplug_offload_states(engine=self, include=set(names), device=dev)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring every offloaded state back, bit-identical. Harmless when nothing is offloaded."""
+        self._mover.reload(non_blocking)
+        self.states_offloaded.clear()
+        self.hook.zeroplug_reload_states(engine=self)
+
     def _require_states(self, what: str) -> None:
         if self.states_offloaded:
             raise StateError(f"engine.{what}() called while states {sorted(self.states_offloaded)} are "
@@ -213,6 +241,7 @@ class Engine:
         """Release offload files and buffers; monitors flush."""
         for m in self.monitors:
             m.close()
+        self._mover.close()
         self.offload_optimizer.close()
         self.offload_param.close()
 

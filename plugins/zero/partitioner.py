@@ -247,7 +247,7 @@ class FlatPartitioner(Partitioner):
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        out = {"lp_params": [u.full if not u.sharded_params else u.shard for u in self.units],
+        out = {"lp_params": [u.full for u in self.units] + [u.shard for u in self.units if u.sharded_params],
                "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
                "hp_params": [] if self.alias else [self.master_flat],
                "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads
