@@ -34,3 +34,33 @@ def test_nccl_equivalence(n):
                          timeout=600)
     print(out.stdout[-4000:], out.stderr[-2000:])
     assert out.returncode == 0 and "ALL OK" in out.stdout
+
+
+@pytest.mark.parametrize("stage", ["stage0", "stage2", "stage3"])
+def test_offload_states_frees_gpu_and_resumes_exactly(stage):
+    import zeroplug
+    from toy import batches
+
+    def run(offload):
+        torch.manual_seed(0)
+        cfg = {"zero": {"plugin": stage, "stage3_param_persistence_threshold": 0},
+               "precision": {"plugin": "bf16"}, "monitor": {"plugin": "none"}}
+        engine = zeroplug.initialize(ToyNet(d=256, hidden=1024), cfg, device="cuda")
+        losses = []
+        for i, (x, y) in enumerate(batches(4, 8)):
+            loss = engine(x.cuda(), y.cuda())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if offload and i == 1:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                engine.offload_states()
+                after = torch.cuda.memory_allocated()
+                assert after <= 0.01 * before, (before, after)
+                assert zeroplug.get_state_devices(engine, "optim_states") == {torch.device("cpu")}
+                engine.reload_states()
+                assert zeroplug.get_state_devices(engine, "lp_params") == {torch.device("cuda", 0)}
+        return losses
+
+    assert run(True) == run(False)

@@ -1,0 +1,173 @@
+"""GPU benchmarks on the reference workload (shared/WORKLOAD.md).
+
+  python tests/benchmarks/h100_bench.py workload --model 1.3B --zero stage2 [--steps 8]
+  python tests/benchmarks/h100_bench.py workload --model 1.3B --baseline torch
+  python tests/benchmarks/h100_bench.py offload-states --model 1.3B
+
+Timing: median step time (forward + backward + optimizer, synchronised) after two
+warm-up steps; tokens/s = micro batch x seq / step time; peak GPU memory =
+torch.cuda.max_memory_allocated(); host memory = process RSS (and its peak).
+Under torchrun every rank runs; rank 0 prints per-GPU numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import zeroplug
+from zeroplug.memory import GB, host_rss_bytes
+from zeroplug.models import GPT, flops_per_token, get_preset, param_count
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def build(args, cfg):
+    mcfg = get_preset(args.model, activation_checkpointing=True)
+    torch.manual_seed(0)
+    if args.zero == "stage3" and args.baseline is None:
+        with zeroplug.init(cfg):
+            model = GPT(mcfg)
+    else:
+        model = GPT(mcfg)
+    return mcfg, model
+
+
+def workload(args) -> dict:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    cfg = {"batch": {"micro_batch_size": args.micro_batch, "gradient_clipping": 1.0, "steps_per_print": 1000},
+           "zero": {"plugin": args.zero}, "precision": {"plugin": "bf16"},
+           "optimizer": {"plugin": "adamw", "lr": 1e-4}, "monitor": {"plugin": "none"}}
+    if args.offload_optimizer:
+        cfg["offload"] = {"optimizer": {"plugin": args.offload_optimizer}}
+        cfg["optimizer"]["plugin"] = "auto"
+    mcfg, model = build(args, cfg)
+    nparams = param_count(mcfg)
+    if args.baseline == "torch":
+        model = model.to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(x, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        engine = zeroplug.initialize(model, cfg)
+
+        def step(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+    g = torch.Generator(device=dev).manual_seed(rank)
+    times = []
+    for i in range(args.steps):
+        x = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq), device=dev, generator=g)
+        y = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq), device=dev, generator=g)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(x, y)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times[2:])
+    tps = args.micro_batch * args.seq / med
+    res = {"model": args.model, "params": nparams, "zero": args.baseline or args.zero, "world": world,
+           "offload_optimizer": args.offload_optimizer, "step_s": med, "tokens_per_s_per_gpu": tps,
+           "tflops_per_gpu": tps * flops_per_token(mcfg, args.seq) / 1e12,   # includes the 4/3 recompute
+           "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "rss_gib": host_rss_bytes() / GB,
+           "peak_rss_gib": peak_rss() / GB, "times": times}
+    if rank == 0:
+        print(f"RESULT {res['zero']:>7} {args.model} world={world} step={med:.3f}s "
+              f"tokens/s/gpu={tps:,.0f} TFLOPS={res['tflops_per_gpu']:.0f} "
+              f"peakGPU={res['peak_gpu_gib']:.1f}GiB RSS={res['rss_gib']:.1f}GiB", flush=True)
+    return res
+
+
+def offload_states_bench(args) -> list[dict]:
+    """Offload/reload of a 1.3B bf16 engine after a step, over pin_memory x non_blocking."""
+    dev = torch.device("cuda")
+    cfg = {"batch": {"micro_batch_size": 1, "gradient_clipping": 1.0}, "zero": {"plugin": args.zero},
+           "precision": {"plugin": "bf16"}, "optimizer": {"plugin": "adamw", "lr": 1e-4},
+           "monitor": {"plugin": "none"}}
+    mcfg, model = build(args, cfg)
+    engine = zeroplug.initialize(model, cfg)
+    x = torch.randint(0, mcfg.vocab_size, (1, 256), device=dev)
+    loss = engine(x, x)
+    engine.backward(loss)
+    engine.step()
+    torch.cuda.synchronize()
+    # the pinned copy bandwidth, same run
+    n = 4 * GB
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    for _ in range(2):
+        torch.cuda.synchronize(); t = time.perf_counter(); h.copy_(a); torch.cuda.synchronize()
+        d2h = n / (time.perf_counter() - t)
+        t = time.perf_counter(); a.copy_(h); torch.cuda.synchronize()
+        h2d = n / (time.perf_counter() - t)
+    del a, h
+    torch.cuda.empty_cache()
+    rows = []
+    before = torch.cuda.memory_allocated()
+    for pin in (False, True):
+        for nb in (False, True):
+            for rep in range(3):
+                torch.cuda.synchronize(); t = time.perf_counter()
+                engine.offload_states(pin_memory=pin, non_blocking=nb)
+                torch.cuda.synchronize(); t_off = time.perf_counter() - t
+                after = torch.cuda.memory_allocated()
+                t = time.perf_counter()
+                engine.reload_states(non_blocking=nb)
+                torch.cuda.synchronize(); t_on = time.perf_counter() - t
+            rows.append({"pin_memory": pin, "non_blocking": nb, "offload_s": t_off, "reload_s": t_on,
+                         "bytes": before - after, "mem_before": before, "mem_after": after})
+    moved = rows[-1]["bytes"]
+    print(f"pinned copy bandwidth (same run): D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s; "
+          f"states moved {moved / 1e9:.2f} GB; GPU memory {before / GB:.2f} GiB -> "
+          f"{rows[-1]['mem_after'] / 2**20:.1f} MiB after offload")
+    print("| pin_memory | non_blocking | offload s (GB/s) | reload s (GB/s) |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {int(r['pin_memory'])} | {int(r['non_blocking'])} | {r['offload_s']:.3f} "
+              f"({r['bytes'] / r['offload_s'] / 1e9:.1f}) | {r['reload_s']:.3f} ({r['bytes'] / r['reload_s'] / 1e9:.1f}) |")
+    # losses continue exactly: a step after a round trip equals a step without it is tested in tests/
+    return [{**r, "d2h_gbps": d2h / 1e9, "h2d_gbps": h2d / 1e9} for r in rows]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["workload", "offload-states"])
+    p.add_argument("--model", default="1.3B")
+    p.add_argument("--zero", default="stage2")
+    p.add_argument("--baseline", choices=["torch"], default=None)
+    p.add_argument("--offload-optimizer", choices=["cpu"], default=None)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--json")
+    args = p.parse_args()
+    if "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
+    res = workload(args) if args.what == "workload" else offload_states_bench(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
