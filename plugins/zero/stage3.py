@@ -6,7 +6,8 @@ Prefetch follows the order in which units were fetched in the previous forward
 conditional branch, a module used twice), nothing fails: a fetch of a unit that
 was not prefetched gathers it on the spot, and every unit that was prefetched but
 not used is drained (its gather waited for) and freed at the end of backward, at
-the start of the next forward and by ``release_all()``. A unit is never "still in
+the end of a forward that no backward follows (no_grad, eval), at the start of the
+next forward and by ``release_all()``. A unit is never "still in
 flight" when someone needs it freed: ``Unit.release`` waits for its gather first.
 """
 from __future__ import annotations
@@ -46,15 +47,19 @@ class Stage3(Stage2):
             else o.stage3_prefetch_bucket_size
         super().setup(module, precision, offload_optimizer, offload_param)
         self.trace_prev: list[int] = []
+        self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
         self.trace_cur: list[int] = []
         self._callback_queued = False
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
+        if self.layout_world == 1:
+            return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
         for m in module.modules():
             us = sorted({self.unit_of[p].index for p in m._parameters.values() if p is not None})
             if us:
                 self.units_of_module[m] = [self.units[i] for i in us]
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(m.register_forward_hook(self._post_forward))
+        self._hooks.append(module.register_forward_hook(self._end_forward))
 
     # -- building units from (possibly pre-partitioned) parameters -------------------
     def _prepare_module(self, module):
@@ -90,7 +95,11 @@ class Stage3(Stage2):
                     f"{shard.dtype}, but the engine runs {world} ranks in {self.pdtype}; pass the same "
                     "config to zeroplug.init and zeroplug.initialize")
             full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
-            free_storage(full)
+            if world == 1:      # the shard is the whole buffer: one tensor, as in the plain path,
+                full.copy_(shard)   # so optimizer updates of the shard reach the parameters
+                shard = full
+            else:
+                free_storage(full)
             for p in params:
                 del p._zp_group
         else:
@@ -102,7 +111,7 @@ class Stage3(Stage2):
         unit = Unit(index, params, layout, full, rank, sharded_params=world > 1, shard=shard)
         unit.persistent = world == 1 or layout.total <= self.persist_threshold
         unit.bind_params()
-        if group is not None:
+        if group is not None and world > 1:
             unit.state = FREE
             if unit.persistent:
                 unit.start_gather(self.comm)
@@ -133,6 +142,7 @@ class Stage3(Stage2):
             if budget < u.numel or live + u.numel > self.options.stage3_max_live_parameters:
                 break
             u.start_gather(self.comm)
+            self.prefetch_count += 1
             budget -= u.numel
             live += u.numel
 
@@ -162,6 +172,14 @@ class Stage3(Stage2):
         for u in units:
             if not self._reused_soon(u):
                 u.release()
+
+    def _end_forward(self, module, args, output) -> None:
+        """The root module's forward returned: with no backward to follow (no_grad, eval),
+        nothing that was kept for reuse or prefetched may outlive it."""
+        if _in_backward():
+            return
+        if not any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(output)[0]):
+            self.release_all()
 
     def _reused_soon(self, u: Unit) -> bool:
         prev, pos = self.trace_prev, len(self.trace_cur)
