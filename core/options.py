@@ -153,6 +153,12 @@ def build_options(cls: type, table: dict, path: str) -> Any:
                 if hi is not None and n > hi:
                     raise ConfigError(f"{full} = {value!r} is out of range: it must be <= {hi}", key=full)
         values[name] = v
+    for name, (f, tp) in known.items():     # defaults too: `opt(5e8, ...)` on an int option
+        if name not in values and f.default is not dataclasses.MISSING:
+            try:
+                values[name] = _coerce(f.default, tp)
+            except _Mismatch:
+                raise TypeError(f"{cls.__name__}.{name}: default {f.default!r} is not {_describe(tp)}") from None
     try:
         obj = cls(**values)
     except (TypeError, ValueError) as exc:
