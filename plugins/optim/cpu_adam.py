@@ -12,18 +12,22 @@ offload update (``step_param(p, grad=bf16, lp_out=bf16)``) must in the same sing
 convert the gradient, apply ``grad_scale`` and write the low-precision copy of the
 parameter; done with separate torch ops that would be 4-5 passes over memory.
 
-Two implementations, picked per call:
+Two implementations, picked per call (``impl="auto"``, the default):
 
-``compile`` (the default where it works)
+``compile`` (for conversions / lp copies / grad_scale, where it works)
     One ``torch.compile`` d (inductor, C++/OpenMP, vectorised) elementwise kernel over the
     whole sub-group: load p, g (any float dtype), m, v; compute in fp32; store p, m, v and
-    optionally the bf16/fp16 copy.  ``dynamic=True``: one compilation per (grad dtype,
-    lp dtype) serves every size and storage offset.  Needs a working C++ compiler at run
+    optionally the bf16/fp16 copy.  ``dynamic=True``: one compilation per (adamw, grad
+    dtype, lp dtype) serves every size and storage offset.  (Measured slower: compiled
+    calls per fixed-size chunk, and torch ops / ``_foreach`` ops per L2-sized chunk on
+    intra-op threads or on a thread pool: 2-4x behind, fork/join and dispatch overhead.)  Needs a working C++ compiler at run
     time; the first call of each variant compiles it (seconds) and checks it against the
     eager path on a probe tensor.  Any failure falls back to ``eager`` with a warning.
 ``eager``
     ``torch._fused_adam(w)_`` (ATen's vectorised, multi-threaded single-pass CPU kernel).
-    A plain fp32 step is one call over the whole tensor.  When the gradient must be
+    A plain fp32 step (fp32 grad, ``grad_scale=1``, no lp copy) is one call over the whole
+    tensor; ``auto`` always takes it, because it is already one pass at memory speed
+    (measured equal to the compiled kernel) and needs no compiler.  When the gradient must be
     converted / scaled or an lp copy written, the tensor is walked in cache-sized chunks
     (64K elements per thread) so that the conversion, the step and the copy-out of a chunk
     all hit L2 instead of streaming the whole tensor 3 times.
@@ -62,64 +66,101 @@ _LP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # --------------------------------------------------------------------------- kernels
 # Scalars travel in one fp32 tensor so that changing lr / step never recompiles:
-#   sc = [grad_scale, l2_wd, decay, 1-beta1, beta2, 1-beta2, sqrt(bc2), eps, -step_size]
-# Arithmetic mirrors torch.optim.Adam(W)'s single-tensor path op for op (lerp for m,
-# mul+addcmul for v, sqrt/bc2+eps, addcdiv for p) with scalars rounded to fp32 as torch
-# rounds Python scalars for fp32 tensors.
-def _adam_math(p, g, m, v, sc):
-    gf = g.to(torch.float32) * sc[0] + p * sc[1]  # grad_scale; L2 decay (0 in AdamW mode)
-    p1 = p * sc[2]  # decoupled decay (1 in Adam mode)
-    m_new = torch.lerp(m, gf, sc[3])
+#   sc = [grad_scale, wd (Adam: L2) or 1 - lr*wd (AdamW), beta1, 1-beta1, beta2, 1-beta2,
+#         1/sqrt(bc2), eps, -step_size]
+# The step is memory bound only if the arithmetic stays cheap: one sqrt and one division
+# per element (the bias correction of the denominator is a multiplication by its
+# reciprocal, as in DeepSpeed's CPU-Adam), no select / lerp.  Scalars are fp32, as torch
+# rounds Python scalars for fp32 tensors; results match torch.optim.Adam(W) to a few ulp.
+def _adam_math(p, g, m, v, sc, adamw: bool):
+    gf = g.to(torch.float32) * sc[0]
+    if adamw:
+        p = p * sc[1]
+    else:
+        gf = gf + p * sc[1]
+    m_new = m * sc[2] + sc[3] * gf
     v_new = v * sc[4] + (sc[5] * gf) * gf
-    denom = v_new.sqrt() / sc[6] + sc[7]
-    p_new = p1 + (sc[8] * m_new) / denom
+    denom = v_new.sqrt() * sc[6] + sc[7]
+    p_new = p + (sc[8] * m_new) / denom
     return p_new, m_new, v_new
 
 
-def _kernel(p, g, m, v, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc)
+def _kernel_adamw(p, g, m, v, sc):
+    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, True)
     p.copy_(p_new)
     m.copy_(m_new)
     v.copy_(v_new)
 
 
-def _kernel_lp(p, g, m, v, lp, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc)
+def _kernel_adam(p, g, m, v, sc):
+    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, False)
+    p.copy_(p_new)
+    m.copy_(m_new)
+    v.copy_(v_new)
+
+
+def _kernel_adamw_lp(p, g, m, v, lp, sc):
+    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, True)
     p.copy_(p_new)
     m.copy_(m_new)
     v.copy_(v_new)
     lp.copy_(p_new)
 
 
+def _kernel_adam_lp(p, g, m, v, lp, sc):
+    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, False)
+    p.copy_(p_new)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    lp.copy_(p_new)
+
+
+_KERNELS = {
+    (True, False): _kernel_adamw,
+    (False, False): _kernel_adam,
+    (True, True): _kernel_adamw_lp,
+    (False, True): _kernel_adam_lp,
+}
+
+
 class _Compiled:
-    """Process-wide lazily compiled kernels, one per (grad dtype, lp dtype) variant."""
+    """Process-wide lazily compiled kernels.
+
+    One ``torch.compile`` d function per (adamw, has lp) pair; each (adamw, grad dtype,
+    lp dtype) variant is probed once (compiled and checked) before first use.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.fns: dict[str, Callable] = {}
+        self.fns: dict[tuple, Callable] = {}
         self.ok: dict[tuple, bool] = {}
         self.errors: dict[tuple, str] = {}
 
     def get(self, key: tuple, strict: bool) -> Callable | None:
+        """key = (adamw, grad dtype, lp dtype or None)."""
         ok = self.ok.get(key)
         if ok is None:
             with self.lock:
                 ok = self.ok.get(key)
                 if ok is None:
                     ok = self._build(key, strict)
-        return self.fns["lp" if key[1] is not None else "nolp"] if ok else None
+        if not ok:
+            if strict:
+                raise RuntimeError(f"cpu_adam: compiled kernel unavailable ({self.errors.get(key)})")
+            return None
+        return self.fns[(key[0], key[2] is not None)]
 
     def _build(self, key: tuple, strict: bool) -> bool:
-        gdt, lpdt = key
+        adamw, gdt, lpdt = key
         try:
             if not hasattr(torch, "compile"):
                 raise RuntimeError("torch.compile is not available")
-            name = "lp" if lpdt is not None else "nolp"
-            if name not in self.fns:
-                self.fns[name] = torch.compile(
-                    _kernel_lp if lpdt is not None else _kernel, dynamic=True, fullgraph=True
-                )
-            _probe(self.fns[name], gdt, lpdt)
+            if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0"):
+                raise RuntimeError("TORCHDYNAMO_DISABLE is set")
+            fkey = (adamw, lpdt is not None)
+            if fkey not in self.fns:
+                self.fns[fkey] = torch.compile(_KERNELS[fkey], dynamic=True, fullgraph=True)
+            _probe(self.fns[fkey], adamw, gdt, lpdt)
             self.ok[key] = True
         except Exception as e:  # compiler missing, inductor error, wrong result, ...
             msg = f"{type(e).__name__}: {e}".strip()
@@ -128,12 +169,16 @@ class _Compiled:
             if strict:
                 raise RuntimeError(f"cpu_adam: compiled kernel unavailable ({msg[:500]})") from e
             warnings.warn(
-                f"cpu_adam: torch.compile kernel unavailable for grad={gdt} lp={lpdt}, "
+                f"cpu_adam: torch.compile kernel unavailable for {_key_str(key)}, "
                 f"using the eager path ({msg[:300]})",
                 RuntimeWarning,
                 stacklevel=4,
             )
         return self.ok[key]
+
+
+def _key_str(key: tuple) -> str:
+    return f"{'adamw' if key[0] else 'adam'} grad={key[1]} lp={key[2]}"
 
 
 _COMPILED = _Compiled()
@@ -142,12 +187,13 @@ _COMPILED = _Compiled()
 def compile_status() -> dict[str, Any]:
     """Which compiled variants were built or failed (and why): for reports and tests."""
     return {
-        "ok": [f"grad={k[0]} lp={k[1]}" for k, v in _COMPILED.ok.items() if v],
-        "failed": {f"grad={k[0]} lp={k[1]}": e for k, e in _COMPILED.errors.items()},
+        "ok": [_key_str(k) for k, v in _COMPILED.ok.items() if v],
+        "failed": {_key_str(k): _COMPILED.errors.get(k, "") for k, v in _COMPILED.ok.items()
+                   if not v},
     }
 
 
-def _probe(fn: Callable, gdt: torch.dtype, lpdt: torch.dtype | None) -> None:
+def _probe(fn: Callable, adamw: bool, gdt: torch.dtype, lpdt: torch.dtype | None) -> None:
     """Compile ``fn`` for this variant and check it against the eager fused path."""
     n = 4099  # odd, > 1 (no 0/1 size specialisation)
     gen = torch.Generator().manual_seed(0)
@@ -157,7 +203,7 @@ def _probe(fn: Callable, gdt: torch.dtype, lpdt: torch.dtype | None) -> None:
     v = torch.rand(n, generator=gen) * 0.01
     lp = torch.empty(n, dtype=lpdt) if lpdt is not None else None
     ref = [p.clone(), m.clone(), v.clone()]
-    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=True)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
     step = torch.tensor(3.0)
     with torch.no_grad():
         sc = _scalars(hp, 3.0, True, 0.5)
@@ -177,14 +223,11 @@ def _scalars(hp: dict, step: float, bias_correction: bool, grad_scale: float) ->
     lr, b1, b2, wd, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"]
     if bias_correction:
         bc1 = 1.0 - b1**step
-        bc2_sqrt = (1.0 - b2**step) ** 0.5
+        inv_bc2_sqrt = 1.0 / (1.0 - b2**step) ** 0.5
     else:
-        bc1 = bc2_sqrt = 1.0
-    if hp["adamw"]:
-        l2, decay = 0.0, 1.0 - lr * wd
-    else:
-        l2, decay = wd, 1.0
-    vals = [grad_scale, l2, decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, eps, -(lr / bc1)]
+        bc1 = inv_bc2_sqrt = 1.0
+    decay = 1.0 - lr * wd if hp["adamw"] else wd
+    vals = [grad_scale, decay, b1, 1.0 - b1, b2, 1.0 - b2, inv_bc2_sqrt, eps, -(lr / bc1)]
     return torch.tensor(vals, dtype=torch.float32)
 
 
@@ -306,11 +349,30 @@ class CPUAdam(torch.optim.Optimizer):
                     )
         return state
 
-    def implementation(self, grad_dtype=torch.float32, lp_dtype=None, numel=1 << 20) -> str:
-        """Which path a call with these arguments takes ("compile" or "eager")."""
+    def _wants_compiled(self, grad_dtype, lp_out, grad_scale, numel) -> bool:
         if self.impl == "eager" or numel < _MIN_COMPILE_NUMEL:
+            return False
+        if self.impl == "compile":
+            return True
+        # auto: a plain fp32 step is already one pass in ATen's fused kernel (measured
+        # equal to the compiled kernel); compile only where a conversion / copy is fused.
+        return grad_dtype != torch.float32 or lp_out is not None or grad_scale != 1.0
+
+    def implementation(
+        self, grad_dtype=torch.float32, lp_dtype=None, numel=1 << 20, grad_scale=1.0,
+        adamw_mode: bool | None = None,
+    ) -> str:
+        """Which path a call with these arguments takes: "compile" or "eager".
+
+        May compile (and probe) the kernel variant on first use.
+        """
+        lp = torch.empty(0, dtype=lp_dtype) if lp_dtype is not None else None
+        if not self._wants_compiled(grad_dtype, lp, grad_scale, numel):
             return "eager"
-        fn = _COMPILED.get((grad_dtype, lp_dtype), strict=self.impl == "compile")
+        if adamw_mode is None:
+            adamw_mode = bool(self.param_groups[0]["adamw_mode"])
+        key = (adamw_mode, grad_dtype, lp_dtype)
+        fn = _COMPILED.get(key, strict=self.impl == "compile")
         return "compile" if fn is not None else "eager"
 
     # -- stepping -----------------------------------------------------------------
@@ -364,8 +426,9 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError("cpu_adam: lp_out must be a CPU bf16/fp16/fp32 tensor of p.numel()")
         n = p.numel()
         fn = None
-        if self.impl != "eager" and n >= _MIN_COMPILE_NUMEL:
-            key = (grad.dtype, lp_out.dtype if lp_out is not None else None)
+        if self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
+            key = (bool(group["adamw_mode"]), grad.dtype,
+                   lp_out.dtype if lp_out is not None else None)
             fn = _COMPILED.get(key, strict=self.impl == "compile")
         state = self._init_state(p)
         step_t = state["step"]
@@ -391,11 +454,21 @@ class CPUAdam(torch.optim.Optimizer):
 
         if fn is not None:
             sc = _scalars(hp, float(step_t.item()), bias_correction, grad_scale)
-            if lpf is not None:
-                fn(pf, gf, mf, vf, lpf, sc)
-            else:
-                fn(pf, gf, mf, vf, sc)
-        else:
+            try:
+                if lpf is not None:
+                    fn(pf, gf, mf, vf, lpf, sc)
+                else:
+                    fn(pf, gf, mf, vf, sc)
+            except Exception as e:  # a (re)compilation failed: nothing was written yet
+                if self.impl == "compile":
+                    raise
+                key = (hp["adamw"], gf.dtype, lpf.dtype if lpf is not None else None)
+                _COMPILED.ok[key] = False
+                _COMPILED.errors[key] = f"{type(e).__name__}: {e}"[:2000]
+                warnings.warn(f"cpu_adam: compiled kernel failed ({e!r:.300}); using eager",
+                              RuntimeWarning, stacklevel=3)
+                fn = None
+        if fn is None:
             scratch = getattr(self._tls, "scratch", None)
             if scratch is None:
                 scratch = self._tls.scratch = {}
