@@ -1,4 +1,4 @@
-"""``zeroplug train | plugins | estimate | convert | docs``.
+"""``zeroplug train | export | plugins | estimate | convert | docs``.
 
 Config precedence everywhere: command line (``--section.key=value``) > file > defaults.
 Every configuration mistake prints ``error: ...`` and exits 2, without a traceback.
@@ -111,11 +111,33 @@ def cmd_train(args, overrides) -> int:
         engine.train()
         return loss
 
+    ck = cfg.checkpoint
+    start = 0
+    if args.resume:
+        if not ck.dir:
+            raise ZeroplugError("--resume needs a checkpoint directory: set [checkpoint] dir "
+                                "(e.g. --checkpoint.dir=ckpt)")
+        if (Path(ck.dir) / "latest").is_file():
+            path, client = engine.load_checkpoint(ck.dir)
+            start = int(client.get("step", 0))
+            if "data" in client:
+                data.load_state_dict(client["data"])
+            if rank == 0:
+                print(f"resumed from {path} at step {start}", flush=True)
+        elif rank == 0:
+            print(f"--resume: no checkpoint in {ck.dir} yet; starting at step 0", flush=True)
+
+    def save(done: int) -> None:
+        path = engine.save_checkpoint(ck.dir, client_state={"step": done, "data": data.state_dict()})
+        if rank == 0 and not progress.tty:
+            print(f"checkpoint {path}", file=sys.stderr, flush=True)
+
     start_eval = eval_loss()
     progress = Progress(args.steps, enabled=rank == 0)
     first = last = None
     gas = cfg.batch.gradient_accumulation_steps
-    for step in range(args.steps):
+    saved = start
+    for step in range(start, args.steps):
         total = 0.0
         for _ in range(gas):
             x, y = next(data)
@@ -126,13 +148,25 @@ def cmd_train(args, overrides) -> int:
         first = total if first is None else first
         last = total
         progress.update(step + 1, total)
+        if ck.dir and ck.every_n_steps and (step + 1) % ck.every_n_steps == 0:
+            save(step + 1)
+            saved = step + 1
+    if ck.dir and ck.every_n_steps and saved != args.steps:
+        save(args.steps)
     end_eval = eval_loss()
     engine.close()
-    if rank == 0:
+    if rank == 0 and first is not None:
         print(f"train loss: first step {first:.4f} -> last step {last:.4f}")
         print(f"held-out loss: start {start_eval:.4f} -> end {end_eval:.4f} "
               f"({'lower' if end_eval < start_eval else 'NOT lower'}; "
               f"{start_eval / math.log(2):.2f} -> {end_eval / math.log(2):.2f} bits per byte)")
+    return 0
+
+
+def cmd_export(args, overrides) -> int:
+    from .checkpoint import export
+    out = export(args.checkpoint, args.out, tag=args.tag)
+    print(f"wrote {out}")
     return 0
 
 
@@ -233,7 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in [checkpoint] dir (if there is one)")
     t.set_defaults(fn=cmd_train)
+    x = sub.add_parser("export", help="write a checkpoint's consolidated model state dict (.pt or .safetensors)")
+    x.add_argument("checkpoint", help="a checkpoint directory (its 'latest' tag) or one tag's directory")
+    x.add_argument("out", help="output file: .safetensors (needs the safetensors package) or .pt")
+    x.add_argument("--tag", help="the tag to export (default: latest)")
+    x.set_defaults(fn=cmd_export)
     sub.add_parser("plugins", help="list plugins, their versions, hooks and implementations").set_defaults(
         fn=cmd_plugins)
     e = sub.add_parser("estimate", help="model-state memory per rank for each stage and offload")

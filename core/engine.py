@@ -61,7 +61,7 @@ class Engine:
         self.partitioner = build("zero")
         self.partitioner.setup(model, self.precision, self.offload_optimizer, self.offload_param)
         factory = build("optimizer")
-        self.optimizer = factory.build(self.partitioner.master_params(), self.offload_optimizer.device)
+        self.optimizer = factory.build(self.partitioner.optimizer_params(), self.offload_optimizer.device)
         self.scheduler = build("scheduler", factory.lr)
         self.monitors = [build("monitor")]
 
@@ -101,6 +101,7 @@ class Engine:
         if self._last_step_end is None:
             self._last_step_end = time.perf_counter()
         self.run.at_boundary = self.is_gradient_accumulation_boundary()
+        self.run.first_micro_step = self.micro_step % self.gradient_accumulation_steps == 0
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         d = loss.detach().float()
         self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
@@ -132,11 +133,19 @@ class Engine:
             clip = self.config.batch.gradient_clipping
             if clip > 0 and norm > clip:
                 factor *= clip / (norm + 1e-6)
-            if factor != 1.0:
-                torch._foreach_mul_(list(part.iter_grads()), factor)
             self._set_lr(lr)
-            self.optimizer.step()
-            part.publish()
+            fused = getattr(self.optimizer, "defaults", {}).get("fused")
+            if factor != 1.0 and fused:
+                # Note: torch's fused Adam/AdamW/SGD divide each gradient by grad_scale inside
+                # their one pass; that saves a read and a write of every gradient.
+                self.optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32,
+                                                         device=self.offload_optimizer.device)
+            elif factor != 1.0:
+                torch._foreach_mul_(list(part.iter_grads()), factor)
+            try:
+                part.step_optimizer(self.optimizer)
+            finally:
+                self.optimizer.grad_scale = None
             self.lr_step += 1
         part.zero_grad()
         self.global_step += 1
@@ -244,6 +253,21 @@ class Engine:
         self._mover.close()
         self.offload_optimizer.close()
         self.offload_param.close()
+
+    # -- checkpoints (core/checkpoint.py) ------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
+        """Save the complete training state under ``save_dir/tag`` (default ``global_step<N>``),
+        one file per rank, atomically; every rank must call it. Returns the checkpoint's path."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Restore a checkpoint saved on any world size (``tag`` None: the ``latest`` one);
+        every rank must call it. Returns ``(path, client_state)``."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)
 
 
 def initialize(model: torch.nn.Module, config=None, overrides=None, device=None,

@@ -24,5 +24,9 @@ class PluginError(ZeroplugError):
     """A plugin could not be found, loaded or registered."""
 
 
+class HostMemoryError(ZeroplugError, MemoryError):
+    """The host lacks the memory an offload tier needs; raised before anything is allocated."""
+
+
 class StateError(ZeroplugError, RuntimeError):
     """An engine method was called in a state that does not allow it."""

@@ -23,8 +23,10 @@ class RunContext:
     config: Any                      # zeroplug.config.Config
     hook: Any = None                 # the plugin manager's hook relay
     # set by the engine while a backward runs: True on the micro-step that ends
-    # gradient accumulation (reductions happen then for stages 0-1).
+    # gradient accumulation (reductions happen then for stages 0-1) ...
     at_boundary: bool = True
+    # ... and True on the first micro-step of an accumulation window
+    first_micro_step: bool = True
     extras: dict = field(default_factory=dict)
 
     @property
@@ -80,10 +82,16 @@ class OffloadDevice:
 
     @property
     def offloaded(self) -> bool:
+        """True when states live apart from the model's parameters (masters are then never
+        aliased to them, even on a CPU-only run)."""
         return self.device != self.run.device
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def plan(self, nbytes: int, what: str) -> None:
+        """Called before the partitioner allocates ``nbytes`` in this tier (``what`` says
+        for what); a tier that cannot hold them raises a clear error now."""
 
     def close(self) -> None:
         """Release files and buffers (called at exit and on errors)."""
@@ -144,8 +152,8 @@ class Partitioner:
         ... forward / backward (the partitioner's hooks do the reductions) ...
         finish_gradients()          # wait for reductions; master .grad ready
         grad_norm_sq()              # global squared norm of the master grads
-        [engine scales grads, optimizer.step() over master_params()]
-        publish()                   # masters -> model parameters (+ all-gather)
+        [engine sets the unscale x clip factor]
+        step_optimizer(optimizer)   # step masters, publish model parameters (+ all-gather)
         zero_grad()
     """
     @dataclass(frozen=True)
@@ -174,7 +182,11 @@ class Partitioner:
     def grad_norm_sq(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def publish(self) -> None:
+    def optimizer_params(self):
+        """What the optimizer is built over (tensors or param-group dicts)."""
+        return self.master_params()
+
+    def step_optimizer(self, optimizer) -> None:
         raise NotImplementedError
 
     def zero_grad(self) -> None:

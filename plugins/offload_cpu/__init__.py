@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroplug import hookimpl
-from zeroplug.errors import ConfigError
+from zeroplug.errors import ConfigError, HostMemoryError
 from zeroplug.memory import GB, host_available_bytes
 from zeroplug.options import opt
 from zeroplug.slots import OffloadDevice
@@ -27,30 +27,38 @@ class CPUOptions:
     pin_memory: bool = opt(True, "Page-locked host buffers: faster copies, memory others cannot use.")
     ratio: float = opt(1.0, "Fraction of the optimizer state to offload (only 1.0 is supported).",
                        min=1.0, max=1.0)
+    host_memory_limit_gb: float = opt(0.0, "Fail early if this tier would need more host memory than "
+                                           "this many GiB; 0 = what the machine has available.", min=0.0)
 
 
 class CPUOffload(OffloadDevice):
     """States in (pinned) CPU memory; the optimizer steps there (cpu_adam with optimizer.plugin = "auto")."""
     Options = CPUOptions
 
-    def __init__(self, options, run, kind):
-        super().__init__(options, run, kind)
-        self.allocated = 0
-
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    @property
+    def offloaded(self) -> bool:
+        return True
+
+    def plan(self, nbytes, what):
+        limit = self.options.host_memory_limit_gb * GB or host_available_bytes()
+        source = ("offload.%s.host_memory_limit_gb" % self.kind if self.options.host_memory_limit_gb
+                  else "available host memory (MemAvailable)")
+        pin = "pinned " if self.options.pin_memory and torch.cuda.is_available() else ""
+        if self.run.rank == 0:
+            log.info("[zeroplug] offload.%s = cpu: %.2f GiB of %shost memory per rank for %s",
+                     self.kind, nbytes / GB, pin, what)
+        if nbytes > limit:
+            raise HostMemoryError(
+                f"offload.{self.kind} = \"cpu\" needs {nbytes / GB:.2f} GiB of {pin}host memory per rank "
+                f"({what}) but {source} is {limit / GB:.2f} GiB. Use more ranks (the shard shrinks "
+                f"with world size), offload to nvme, or raise the limit")
+
     def empty(self, numel, dtype):
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        avail = host_available_bytes()
-        if nbytes > avail:
-            raise MemoryError(
-                f"offload.{self.kind} = \"cpu\" needs {nbytes / GB:.2f} GiB of host memory for this buffer "
-                f"({self.allocated / GB:.2f} GiB already taken) but only {avail / GB:.2f} GiB is available; "
-                f"use more ranks (stage 3 shards it), offload to nvme, or free host memory")
         pin = self.options.pin_memory and torch.cuda.is_available()
-        self.allocated += nbytes
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
     @classmethod

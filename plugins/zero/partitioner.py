@@ -60,6 +60,10 @@ class FlatPartitioner(Partitioner):
         self.units = [self._make_unit(i, g) for i, g in enumerate(groups)]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self._make_masters()
+        self.offload = None
+        if self.offloaded:
+            from .offload_path import OffloadPath
+            self.offload = OffloadPath(self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
 
@@ -99,7 +103,8 @@ class FlatPartitioner(Partitioner):
 
     def _make_masters(self):
         tier = self.offload_optimizer
-        self.alias = self.pdtype == torch.float32 and tier.device == self.device
+        self.offloaded = tier.offloaded
+        self.alias = self.pdtype == torch.float32 and not self.offloaded
         if self.alias:
             for u in self.units:
                 u.master = u.shard
@@ -108,6 +113,9 @@ class FlatPartitioner(Partitioner):
             self._master_list = [u.master for u in self.units]
             return
         total = sum(u.hi - u.lo for u in self.units)
+        # fp32 master + fp32 gradient here, and Adam's two fp32 moments created beside them
+        tier.plan(16 * total, f"{total:,} fp32 master elements: master 4 + gradient 4 + "
+                              f"optimizer states 8 bytes each")
         self.master_flat = tier.empty(total, torch.float32)
         self.master_grad_flat = tier.empty(total, torch.float32)
         self.master_grad_flat.zero_()
@@ -119,12 +127,20 @@ class FlatPartitioner(Partitioner):
             u.master.grad = self.master_grad_flat[off:off + n]
             off += n
         self._master_list = []
-        for a, b in sub_group_ranges(total, self.options.sub_group_size):
+        self.sub_group_ranges = sub_group_ranges(total, self.options.sub_group_size)
+        for a, b in self.sub_group_ranges:
             t = self.master_flat[a:b]
             t.grad = self.master_grad_flat[a:b]
             self._master_list.append(t)
 
     def master_params(self):
+        return self._master_list
+
+    def optimizer_params(self):
+        """What the optimizer is built over: one param group per sub-group when offloaded,
+        so the offload path can step (and publish) sub-group by sub-group."""
+        if self.offloaded:
+            return [{"params": [t]} for t in self._master_list]
         return self._master_list
 
     # -- backward ---------------------------------------------------------------------
@@ -164,9 +180,16 @@ class FlatPartitioner(Partitioner):
         else:
             handle = self.comm.all_reduce(buf, async_op=True)
             out = buf
-        self._pending.append((u, handle, out))
-        if not self.options.overlap_comm:
-            self._drain()
+        if self.offload is not None:
+            # Note: for NCCL, wait() only orders the current stream after the collective;
+            # the host does not block, and the D2H copy then follows on a side stream.
+            handle.wait()
+            part = out if out.numel() == u.hi - u.lo else out[u.lo:u.hi]
+            self.offload.grad_ready(u, part, first_micro=not self.shard_grads or self.run.first_micro_step)
+        else:
+            self._pending.append((u, handle, out))
+            if not self.options.overlap_comm:
+                self._drain()
         self._after_reduce(u)
 
     def _after_reduce(self, u: Unit) -> None:
@@ -190,11 +213,21 @@ class FlatPartitioner(Partitioner):
             if u.reduced or not u.trainable:
                 continue
             if self.shard_grads and u.bucket is None:
+                if self.offload is not None and self.run.first_micro_step:
+                    u.master.grad.zero_()   # offloaded grads are overwritten, not zeroed each step
                 continue            # no gradient reached this unit in this backward
             self._reduce(u)
         self._drain()
+        if self.offload is not None:
+            self.offload.wait_grads()
 
     def grad_norm_sq(self) -> torch.Tensor:
+        if self.offload is not None:
+            sq = self.offload.take_norm_sq()
+            if sq is not None:
+                if self.layout_world > 1:
+                    self.comm.all_reduce(sq)
+                return sq
         grads = [t.grad for t in self._master_list]
         if not grads:
             return torch.zeros((), device=self.device)
@@ -216,15 +249,23 @@ class FlatPartitioner(Partitioner):
             if self.shard_grads:
                 for u in self.units:
                     u.master.grad.zero_()
-        else:
+        elif self.offload is None:
             self.master_grad_flat.zero_()
+        # Note: offloaded master grads are overwritten by the next boundary's copies (and
+        # zeroed for units that got none), which saves a pass over host memory per step.
         self.before_backward()
 
-    # -- after the optimizer ----------------------------------------------------------
-    def publish(self) -> None:
-        if not self.alias:
-            for u in self.units:
-                u.shard.copy_(u.master, non_blocking=True)
+    # -- the optimizer step --------------------------------------------------------------
+    def step_optimizer(self, optimizer) -> None:
+        """Step the masters and publish them as model parameters."""
+        self.release_all()
+        if self.offload is not None:
+            self.offload.step(optimizer, self.sub_group_ranges)
+        else:
+            optimizer.step()
+            if not self.alias:
+                for u in self.units:
+                    u.shard.copy_(u.master, non_blocking=True)
         self._gather_after_step()
 
     def _gather_after_step(self) -> None:
@@ -253,6 +294,15 @@ class FlatPartitioner(Partitioner):
                "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads
                             else [] if self.alias else [self.master_grad_flat])}
         return out
+
+    def checkpoint_state(self, optimizer=None) -> dict:
+        """This rank's world-size-independent checkpoint part (see checkpointing.py)."""
+        from .checkpointing import export_state
+        return export_state(self, optimizer)
+
+    def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
+        from .checkpointing import import_state
+        import_state(self, states, optimizer, **flags)
 
     @classmethod
     def construction_context(cls, options, run, precision):

@@ -212,11 +212,8 @@ class Stage3(Stage2):
             u.release()
 
     # -- after the optimizer ------------------------------------------------------------
-    def publish(self) -> None:
-        self.release_all()
-        if not self.alias:
-            for u in self.units:
-                u.shard.copy_(u.master, non_blocking=True)
+    def _gather_after_step(self) -> None:
+        """Only persistent units are kept whole; the others are gathered at their next use."""
         if self.layout_world > 1:
             persistent = [u for u in self.units if u.persistent]
             handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in persistent]

@@ -1,0 +1,305 @@
+"""A partitioner's state in and out of checkpoints, independent of the world size.
+
+What a rank owns is described in each parameter's own flattened numbering: for
+every parameter NAME, the ranges ``[start, end)`` of its elements that fall into
+this rank's shard (``FlatLayout.shard_pieces``). Per range a rank file holds the
+model-dtype values, the fp32 master values (omitted when the master *is* the
+parameter: fp32 on the optimizer's device) and each element-wise optimizer state
+(``exp_avg``, ``exp_avg_sq``, ...). Nothing in it depends on the world size, the
+stage, the bucket size, the padding or the sub-group size that wrote it, so a
+checkpoint saved by N ranks of one stage loads on M ranks of any stage: each
+loading rank walks the rank files one at a time and copies out the parts of the
+ranges that intersect what it owns now. The file layout is documented in
+:mod:`zeroplug.checkpoint` (core reads it alone for ``zeroplug export``).
+
+Ranges are cut where optimizer tensors (sub-groups of ``sub_group_size``) end,
+so each saved range maps onto one master tensor and its states; every saved
+tensor is a zero-copy view of live memory (``piece_view``).
+"""
+from __future__ import annotations
+
+import logging
+from bisect import bisect_right
+from typing import NamedTuple
+
+import torch
+
+from zeroplug.checkpoint import CheckpointError, piece_view
+
+log = logging.getLogger("zeroplug")
+
+# optimizer hyper-parameters that a checkpoint does not override: lr follows the
+# schedule; the rest choose kernels, which the current config decides
+_GROUP_KEYS_KEPT = {"params", "lr", "fused", "foreach", "capturable", "differentiable"}
+
+
+class Segment(NamedTuple):
+    name: str            # the parameter's (first) name in the module
+    a: int               # [a, b): elements in the parameter's flattened numbering
+    b: int
+    lp: torch.Tensor     # the model-dtype values (a view of the unit's shard)
+    master: torch.Tensor  # the fp32 values (a view of the master)
+    k: int               # index of the master tensor (in master_params()) holding them
+    mloc: int            # offset of element ``a`` inside that master tensor
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _names(module: torch.nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return names
+
+
+def _canonical(part) -> dict[int, str]:
+    names = _names(part.module)
+    out = {}
+    for u in part.units:
+        for p in u.params:
+            ns = names.get(id(p))
+            if not ns:
+                raise CheckpointError("a partitioned parameter is not reachable from the module "
+                                      "(module.named_parameters() does not list it)")
+            out[id(p)] = ns[0]
+    return out
+
+
+def checkpoint_meta(part) -> dict:
+    """JSON-able: every partitioned parameter's name, shape and dtype, and the module's
+    state-dict keys in order (each naming its parameter, or None for other entries)."""
+    names = _names(part.module)
+    params = {}
+    for u in part.units:
+        for i, p in enumerate(u.params):
+            ns = names[id(p)]
+            params[ns[0]] = {"shape": list(u.layout.shapes[i]), "dtype": _dtype_name(part.pdtype),
+                             "aliases": ns[1:]}
+    canon = _canonical(part)
+    keys = [[k, canon.get(id(v))] for k, v in part.module.state_dict(keep_vars=True).items()]
+    return {"params": params, "state_dict": keys}
+
+
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def segments(part) -> list[Segment]:
+    """This rank's pieces of every parameter, each inside one master tensor."""
+    canon = _canonical(part)
+    masters = part.master_params()
+    index: dict = {}
+    for k, t in enumerate(masters):
+        index.setdefault(_storage_key(t), []).append((t.storage_offset(), t.numel(), k))
+    for v in index.values():
+        v.sort()
+    out = []
+    for u in part.units:
+        if u.hi <= u.lo:
+            continue
+        cands = index.get(_storage_key(u.master))
+        if cands is None:
+            raise CheckpointError("a unit's master is not a view of any optimizer tensor; the partitioner "
+                                  "layout is not one this checkpointing understands")
+        starts = [c[0] for c in cands]
+        base = u.master.storage_offset()
+        for i, a, b in u.layout.shard_pieces(part.layout_rank):
+            name = canon[id(u.params[i])]
+            p0 = u.layout.offsets[i] + a - u.lo         # position in the shard / unit master
+            x, end = base + p0, base + p0 + (b - a)     # storage offsets covered
+            j = bisect_right(starts, x) - 1
+            while x < end:
+                if j < 0 or j >= len(cands) or not cands[j][0] <= x < cands[j][0] + cands[j][1]:
+                    raise CheckpointError(f"parameter {name!r}: part of its master is not an optimizer tensor")
+                off, n, k = cands[j]
+                y = min(end, off + n)
+                s = a + (x - base - p0)
+                q = x - base
+                out.append(Segment(name, s, s + (y - x), u.shard[q:q + (y - x)],
+                                   u.master[q:q + (y - x)], k, x - off))
+                x = y
+                j += 1
+    return out
+
+
+def _elementwise(v, t: torch.Tensor) -> bool:
+    return torch.is_tensor(v) and v.shape == t.shape
+
+
+def export_state(part, optimizer=None) -> dict:
+    """This rank's part of a checkpoint (see the module docstring)."""
+    run = part.run
+    owner = run.rank == part.layout_rank        # stage 0: rank 0 writes the (replicated) state
+    out = {"meta": checkpoint_meta(part) if run.rank == 0 else None, "pieces": {},
+           "optim_scalars": {}, "optim_keys": {}, "optim_groups": [], "extras": {}}
+    masters = part.master_params()
+    states = optimizer.state if optimizer is not None else {}
+    if owner:
+        for seg in segments(part):
+            pc = {"start": seg.a, "end": seg.b, "param": piece_view(seg.lp)}
+            if not part.alias:
+                pc["master"] = piece_view(seg.master)
+            t = masters[seg.k]
+            st = states.get(t) or {}
+            n = seg.b - seg.a
+            opt = {key: piece_view(v.view(-1)[seg.mloc:seg.mloc + n]) for key, v in st.items()
+                   if _elementwise(v, t)}
+            if opt:
+                pc["optim"] = opt
+            out["pieces"].setdefault(seg.name, []).append(pc)
+        for t in masters:
+            st = states.get(t) or {}
+            if st:
+                out["optim_scalars"] = {k: v for k, v in st.items() if not _elementwise(v, t)}
+                out["optim_keys"] = {k: _dtype_name(v.dtype) for k, v in st.items() if _elementwise(v, t)}
+                break
+        if optimizer is not None and optimizer.param_groups:    # hyper-parameters: the same in every group
+            out["optim_groups"] = [{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}]
+    if run.rank == 0:
+        canon = _canonical(part)
+        for k, v in part.module.state_dict(keep_vars=True).items():
+            if id(v) in canon:
+                continue
+            if torch.is_tensor(v):
+                out["extras"][k] = v.detach()
+            else:
+                log.warning("[zeroplug] checkpoint: state-dict entry %r is not a tensor; not saved", k)
+    return out
+
+
+def _check_model(saved: dict, mine: dict, where) -> None:
+    sp, mp = saved["params"], mine["params"]
+    missing = sorted(set(mp) - set(sp))
+    unexpected = sorted(set(sp) - set(mp))
+    shapes = [f"{n}: checkpoint {tuple(sp[n]['shape'])}, model {tuple(mp[n]['shape'])}"
+              for n in sorted(set(sp) & set(mp)) if list(sp[n]["shape"]) != list(mp[n]["shape"])]
+    sk = {k for k, _ in saved["state_dict"]}
+    mk = {k for k, _ in mine["state_dict"]}
+    missing += sorted(k for k in mk - sk if k not in missing)
+    unexpected += sorted(k for k in sk - mk if k not in unexpected)
+    if missing or unexpected or shapes:
+        parts = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+            if items:
+                parts.append(f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}")
+        raise CheckpointError(f"checkpoint {where} does not fit this model ({'; '.join(parts)})")
+
+
+def import_state(part, states, optimizer=None, load_master: bool = True,
+                 load_optimizer_states: bool = True) -> None:
+    """Load this rank's part from ``states`` (a :class:`zeroplug.checkpoint.ShardSet`: the
+    rank files' ``model`` parts, one at a time), whatever world size wrote them."""
+    where = repr(str(getattr(states, "path", "")))
+    _check_model(states.meta, checkpoint_meta(part), where)
+    segs = segments(part)
+    by_name: dict[str, list[tuple[int, Segment]]] = {}
+    for j, s in enumerate(segs):
+        by_name.setdefault(s.name, []).append((j, s))
+    masters = part.master_params()
+    want_opt = load_optimizer_states and optimizer is not None
+    filled = [0] * len(segs)
+    new_state: list[dict] = [{} for _ in masters]
+    opt_filled: dict[tuple[int, str], int] = {}
+    scalars, keys, groups = None, {}, None
+    live = part.module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for model in states:
+            if want_opt:
+                if scalars is None and model.get("optim_keys"):
+                    scalars = {k: v.clone() if torch.is_tensor(v) else v
+                               for k, v in model["optim_scalars"].items()}
+                    keys = dict(model["optim_keys"])
+                if groups is None and model.get("optim_groups"):
+                    groups = model["optim_groups"]
+            for k, v in model.get("extras", {}).items():
+                dst = live[k]
+                if dst.shape != v.shape:
+                    raise CheckpointError(f"checkpoint {where}: {k!r} has shape {tuple(v.shape)}, "
+                                          f"the model {tuple(dst.shape)}")
+                dst.data.copy_(v)
+            for name, pieces in model["pieces"].items():
+                for j, seg in by_name.get(name, ()):
+                    for pc in pieces:
+                        x, y = max(seg.a, pc["start"]), min(seg.b, pc["end"])
+                        if x >= y:
+                            continue
+                        src = slice(x - pc["start"], y - pc["start"])
+                        d0 = x - seg.a
+                        dst = slice(d0, d0 + (y - x))
+                        if part.alias:     # one tensor: prefer exact fp32 masters when saved
+                            val = pc["master"] if load_master and "master" in pc else pc["param"]
+                            seg.lp[dst].copy_(val[src])
+                        else:
+                            seg.lp[dst].copy_(pc["param"][src])
+                            if load_master:
+                                seg.master[dst].copy_(pc.get("master", pc["param"])[src])
+                        filled[j] += y - x
+                        if want_opt:
+                            st = new_state[seg.k]
+                            for key, t in pc.get("optim", {}).items():
+                                if key not in st:
+                                    st[key] = torch.zeros(masters[seg.k].shape, dtype=t.dtype,
+                                                          device=masters[seg.k].device)
+                                m0 = seg.mloc + d0
+                                st[key][m0:m0 + (y - x)].copy_(t[src])
+                                opt_filled[(seg.k, key)] = opt_filled.get((seg.k, key), 0) + (y - x)
+            del model
+        for j, s in enumerate(segs):
+            if filled[j] != s.b - s.a:
+                raise CheckpointError(f"checkpoint {where} holds {filled[j]} of the elements [{s.a}, {s.b}) "
+                                      f"of {s.name!r} that this rank needs")
+        if not load_master and not part.alias:     # module only: masters follow the loaded weights
+            for u in part.units:
+                u.master.copy_(u.shard)
+        if want_opt:
+            need: dict[int, int] = {}
+            for s in segs:
+                need[s.k] = need.get(s.k, 0) + (s.b - s.a)
+            for (k, key), n in opt_filled.items():
+                if n != need[k]:
+                    raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
+            for k, key in ((k, key) for k in need for key in keys):
+                if opt_filled.get((k, key), 0) != need[k]:
+                    raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
+            _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys, groups)
+    _publish(part)
+    part.zero_grad()
+
+
+def _publish(part) -> None:
+    """Masters -> model-dtype shards -> all-gathered as the stage keeps parameters."""
+    part.release_all()
+    if not part.alias:
+        with torch.no_grad():
+            for u in part.units:
+                u.shard.copy_(u.master)
+    part._gather_after_step()
+
+
+def _install_optimizer_state(optimizer, masters, new_state, scalars, keys, groups) -> None:
+    index, i = {}, 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            index[id(p)] = i
+            i += 1
+    state = {}
+    if keys:                # the checkpoint had optimizer state (else: none, as when it was saved)
+        for k, t in enumerate(masters):
+            st = new_state[k]
+            for key, dt in keys.items():
+                if key not in st:          # a master that is only padding on this rank
+                    st[key] = torch.zeros(t.shape, dtype=getattr(torch, dt), device=t.device)
+            for key, v in scalars.items():
+                st[key] = v.clone() if torch.is_tensor(v) else v
+            if id(t) not in index:
+                raise CheckpointError("a master tensor is not a parameter of the optimizer")
+            state[index[id(t)]] = st
+    cur = optimizer.state_dict()["param_groups"]
+    if groups:          # one group's hyper-parameters (every group has the same), applied to all
+        for g in cur:
+            for key, v in groups[0].items():
+                if key in g and key not in _GROUP_KEYS_KEPT:
+                    g[key] = v
+    optimizer.load_state_dict({"state": state, "param_groups": cur})

@@ -1,0 +1,113 @@
+"""The overlapped CPU-offload path: used when the optimizer's masters live off the
+training device (``[offload.optimizer] plugin = "cpu"``).
+
+Timeline of one step on a GPU::
+
+    backward  |== grads of unit k reduced ==>| norm^2 (GPU) | D2H (side stream) into pinned fp32 |
+    step      wait D2H | CPU steps sub-group 0 | sub-group 1 | ... |
+    publish              | H2D sub-group 0 (side stream) + cast into bf16 shards | 1 | ...
+    next forward waits (GPU-side only) for the last H2D
+
+Note: the global gradient norm (clipping) and the overflow flag need every gradient,
+so the CPU step starts after backward: the "safe overlap" of issue D. Stepping
+sub-groups during backward would need to speculate and roll back on a clipped or
+overflowed step; with clipping at 1.0 most steps clip, so the speculation would
+nearly always be wrong for the workload of the benchmarks. Not done.
+
+Note: on a CPU-only run the same code runs with synchronous copies, which is how CI
+tests it against the in-memory path.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class OffloadPath:
+    def __init__(self, part):
+        self.part = part
+        self.device = part.device
+        self.cuda = self.device.type == "cuda"
+        self.gpu_norm = part.run.config.batch.gradient_accumulation_steps == 1
+        self.norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(self.device)
+            self.h2d = torch.cuda.Stream(self.device)
+        # master offset of each unit, to map a sub-group's master range onto unit shards
+        self.unit_offsets, off = [], 0
+        for u in part.units:
+            self.unit_offsets.append(off)
+            off += u.hi - u.lo
+        self.staging: list[torch.Tensor] = []
+
+    # -- backward: one unit's reduced gradient -----------------------------------------
+    def grad_ready(self, u, src: torch.Tensor, first_micro: bool) -> None:
+        """``src``: this rank's reduced gradient shard of unit ``u`` on the device."""
+        dst = u.master.grad
+        if first_micro and self.gpu_norm:
+            self.norm_sq += src.float().pow(2).sum()
+        if not self.cuda:
+            if first_micro:
+                dst.copy_(src)
+            else:
+                dst.add_(src)
+            return
+        if not first_micro:     # accumulation: rare path, synchronous
+            dst.add_(src.to("cpu", torch.float32))
+            return
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(self.d2h)     # the allocator keeps src until the copy is done
+
+    def wait_grads(self) -> None:
+        if self.cuda:
+            self.d2h.synchronize()
+
+    def take_norm_sq(self) -> torch.Tensor | None:
+        """The squared norm accumulated on the device during backward (None: compute on host)."""
+        if not self.gpu_norm:
+            return None
+        out, self.norm_sq = self.norm_sq, torch.zeros_like(self.norm_sq)
+        return out
+
+    # -- the step, sub-group by sub-group ---------------------------------------------
+    def step(self, optimizer, ranges: list[tuple[int, int]]) -> None:
+        groups = optimizer.param_groups
+        if len(groups) != len(ranges):
+            optimizer.step()
+            for a, b in ranges:
+                self.publish_range(a, b, 0)
+            return
+        try:
+            for k, (g, (a, b)) in enumerate(zip(groups, ranges)):
+                optimizer.param_groups = [g]      # step this sub-group only
+                optimizer.step()
+                self.publish_range(a, b, k)
+        finally:
+            optimizer.param_groups = groups
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+
+    def _staging(self, k: int, n: int) -> torch.Tensor:
+        size = max(r[1] - r[0] for r in self.part.sub_group_ranges)
+        while len(self.staging) < 2:
+            self.staging.append(torch.empty(size, dtype=torch.float32, device=self.device))
+        return self.staging[k % 2][:n]
+
+    def publish_range(self, a: int, b: int, k: int) -> None:
+        """Master elements [a, b) into the model-dtype shards of the units they belong to."""
+        master = self.part.master_flat[a:b]
+        if self.cuda:
+            with torch.cuda.stream(self.h2d):
+                src = self._staging(k, b - a)
+                src.copy_(master, non_blocking=True)
+                self._scatter(src, a, b)
+        else:
+            self._scatter(master, a, b)
+
+    def _scatter(self, src: torch.Tensor, a: int, b: int) -> None:
+        for u, off in zip(self.part.units, self.unit_offsets):
+            n = u.hi - u.lo
+            x, y = max(a, off), min(b, off + n)
+            if x < y:
+                u.shard[x - off:y - off].copy_(src[x - a:y - a])
