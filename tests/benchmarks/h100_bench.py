@@ -43,6 +43,10 @@ def build(args, cfg):
     return mcfg, model
 
 
+def phases(engine) -> dict:
+    return {}
+
+
 def workload(args) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -52,7 +56,8 @@ def workload(args) -> dict:
            "optimizer": {"plugin": "adamw", "lr": 1e-4}, "monitor": {"plugin": "none"}}
     if args.offload_optimizer:
         cfg["offload"] = {"optimizer": {"plugin": args.offload_optimizer}}
-        cfg["optimizer"]["plugin"] = "auto"
+        cfg["optimizer"]["plugin"] = args.optimizer
+        cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
     mcfg, model = build(args, cfg)
     nparams = param_count(mcfg)
     if args.baseline == "torch":
@@ -86,7 +91,7 @@ def workload(args) -> dict:
     med = statistics.median(times[2:])
     tps = args.micro_batch * args.seq / med
     res = {"model": args.model, "params": nparams, "zero": args.baseline or args.zero, "world": world,
-           "offload_optimizer": args.offload_optimizer, "step_s": med, "tokens_per_s_per_gpu": tps,
+           "offload_optimizer": args.offload_optimizer, "step_s": med, "phases": phases(engine if args.baseline is None else None), "tokens_per_s_per_gpu": tps,
            "tflops_per_gpu": tps * flops_per_token(mcfg, args.seq) / 1e12,   # includes the 4/3 recompute
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "rss_gib": host_rss_bytes() / GB,
            "peak_rss_gib": peak_rss() / GB, "times": times}
@@ -156,6 +161,9 @@ def main():
     p.add_argument("--baseline", choices=["torch"], default=None)
     p.add_argument("--offload-optimizer", choices=["cpu"], default=None)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--optimizer", default="adamw", help="optimizer plugin with --offload-optimizer")
+    p.add_argument("--bucket", type=float, default=1e8, help="reduce_bucket_size with offload")
+    p.add_argument("--sub-group", type=float, default=1e8, help="sub_group_size with offload")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--json")
