@@ -210,6 +210,23 @@ def test_compile_failure_falls_back(monkeypatch):
         CPUAdam([b], impl="compile").step()
 
 
+def test_slow_compiled_kernel_not_used(monkeypatch):
+    """The probe times the compiled kernel: one slower than eager is not used."""
+    try:
+        CPUAdam([torch.zeros(1)], impl="compile").implementation(torch.float32, None, BIG)
+    except RuntimeError as e:
+        pytest.skip(f"torch.compile kernel unavailable: {e}")
+    monkeypatch.setattr(ca, "_COMPILED", ca._Compiled())
+    monkeypatch.setattr(ca, "_MAX_SLOWDOWN", 0.0)  # anything counts as too slow
+    opt = CPUAdam([torch.zeros(1)])
+    with pytest.warns(RuntimeWarning, match="slower than the eager path"):
+        assert opt.implementation(torch.bfloat16, torch.bfloat16, BIG) == "eager"
+    # a forced compile skips the speed check
+    monkeypatch.setattr(ca, "_COMPILED", ca._Compiled())
+    assert CPUAdam([torch.zeros(1)], impl="compile").implementation(
+        torch.bfloat16, torch.bfloat16, BIG) == "compile"
+
+
 def test_auto_routing():
     """auto: plain fp32 steps use ATen's fused kernel; conversions use the compiled one."""
     opt = CPUAdam([torch.zeros(3)])

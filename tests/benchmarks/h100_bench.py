@@ -43,8 +43,31 @@ def build(args, cfg):
     return mcfg, model
 
 
-def phases(engine) -> dict:
-    return {}
+def timed(fn, t: dict, key: str):
+    """``fn`` with synchronised wall time added to ``t[key]``."""
+    def g(*a, **k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = fn(*a, **k)
+        torch.cuda.synchronize()
+        t[key] = t.get(key, 0.0) + time.perf_counter() - t0
+        return r
+    return g
+
+
+def phases(engine, x, y) -> dict:
+    """One more step with a sync at each phase boundary (slightly slower than the timed ones)."""
+    if engine is None:
+        return {}
+    t: dict = {}
+    part = engine.partitioner
+    part.finish_gradients = timed(part.finish_gradients, t, "wait_d2h_and_reductions")
+    part.step_optimizer = timed(part.step_optimizer, t, "optimizer_step_and_h2d")
+    loss = timed(engine, t, "forward")(x, y)
+    timed(engine.backward, t, "backward_incl_overlapped_d2h")(loss)
+    timed(engine.step, t, "step_total")()
+    t["gpu_idle_estimate"] = t["step_total"] - 0.0   # no GPU compute runs inside engine.step
+    return {k: round(v, 4) for k, v in t.items()}
 
 
 def workload(args) -> dict:
@@ -91,10 +114,12 @@ def workload(args) -> dict:
     med = statistics.median(times[2:])
     tps = args.micro_batch * args.seq / med
     res = {"model": args.model, "params": nparams, "zero": args.baseline or args.zero, "world": world,
-           "offload_optimizer": args.offload_optimizer, "step_s": med, "phases": phases(engine if args.baseline is None else None), "tokens_per_s_per_gpu": tps,
+           "offload_optimizer": args.offload_optimizer, "step_s": med, "phases": phases(engine if args.baseline is None else None, x, y), "tokens_per_s_per_gpu": tps,
            "tflops_per_gpu": tps * flops_per_token(mcfg, args.seq) / 1e12,   # includes the 4/3 recompute
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "rss_gib": host_rss_bytes() / GB,
            "peak_rss_gib": peak_rss() / GB, "times": times}
+    if rank == 0 and res["phases"]:
+        print("PHASES", json.dumps(res["phases"]), flush=True)
     if rank == 0:
         print(f"RESULT {res['zero']:>7} {args.model} world={world} step={med:.3f}s "
               f"tokens/s/gpu={tps:,.0f} TFLOPS={res['tflops_per_gpu']:.0f} "
