@@ -58,8 +58,22 @@ class CPUOffload(OffloadDevice):
                 f"with world size), offload to nvme, or raise the limit")
 
     def empty(self, numel, dtype):
-        pin = self.options.pin_memory and torch.cuda.is_available()
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+        t = torch.empty(numel, dtype=dtype, device="cpu")
+        if self.options.pin_memory and torch.cuda.is_available() and numel:
+            # Note: torch's caching pinned allocator rounds every block up to a power of two
+            # (a 5.7 GB master becomes 8 GB); page-locking our own exact-size buffer costs
+            # only what it holds.
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if int(err) != 0:
+                raise HostMemoryError(f"offload.{self.kind} = \"cpu\": pinning {t.numel() * t.element_size() / GB:.2f} "
+                                      f"GiB failed (CUDA error {int(err)}); set pin_memory = false or free memory")
+            self._registered.append(t)
+        return t
+
+    def close(self):
+        while self._registered:
+            t = self._registered.pop()
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     @classmethod
     def check_config(cls, config, choice):

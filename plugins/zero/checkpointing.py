@@ -240,8 +240,7 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                             st = new_state[seg.k]
                             for key, t in pc.get("optim", {}).items():
                                 if key not in st:
-                                    st[key] = torch.zeros(masters[seg.k].shape, dtype=t.dtype,
-                                                          device=masters[seg.k].device)
+                                    st[key] = _state_buffer(optimizer, masters[seg.k], key, t.dtype)
                                 m0 = seg.mloc + d0
                                 st[key][m0:m0 + (y - x)].copy_(t[src])
                                 opt_filled[(seg.k, key)] = opt_filled.get((seg.k, key), 0) + (y - x)
@@ -278,6 +277,15 @@ def _publish(part) -> None:
     part._gather_after_step()
 
 
+def _state_buffer(optimizer, master: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """Where a state's loaded values go: the live state tensor when there is one (no second
+    copy of the optimizer states while loading into a trained engine), else a new one."""
+    cur = (optimizer.state.get(master) or {}).get(key)
+    if torch.is_tensor(cur) and cur.shape == master.shape and cur.dtype == dtype:
+        return cur
+    return torch.zeros(master.shape, dtype=dtype, device=master.device)
+
+
 def _install_optimizer_state(optimizer, masters, new_state, scalars, keys, groups) -> None:
     index, i = {}, 0
     for g in optimizer.param_groups:
@@ -290,7 +298,7 @@ def _install_optimizer_state(optimizer, masters, new_state, scalars, keys, group
             st = new_state[k]
             for key, dt in keys.items():
                 if key not in st:          # a master that is only padding on this rank
-                    st[key] = torch.zeros(t.shape, dtype=getattr(torch, dt), device=t.device)
+                    st[key] = _state_buffer(optimizer, t, key, getattr(torch, dt)).zero_()
             for key, v in scalars.items():
                 st[key] = v.clone() if torch.is_tensor(v) else v
             if id(t) not in index:
