@@ -14,7 +14,7 @@ STAGES = ["stage1", "stage2", "stage3"]
 TOL = {"fp32": 1e-6, "bf16": 2e-3}
 
 
-def _cfg(stage, prec, offload, gas=1, world=1):
+def _cfg(stage, prec, offload, gas=1, world=1, params=False):
     cfg = {"zero": {"plugin": stage, "reduce_bucket_size": 500, "sub_group_size": 700},
            "precision": {"plugin": prec}, "optimizer": {"plugin": "adamw", "lr": 1e-2, "weight_decay": 0.01},
            "batch": {"micro_batch_size": 8 // world // gas, "gradient_accumulation_steps": gas,
@@ -22,6 +22,8 @@ def _cfg(stage, prec, offload, gas=1, world=1):
            "monitor": {"plugin": "none"}}
     if offload:
         cfg["offload"] = {"optimizer": {"plugin": "cpu"}}
+    if params:
+        cfg["offload"]["param"] = {"plugin": "cpu"}
     return cfg
 
 
@@ -36,6 +38,13 @@ def _all(rank, world):
                     assert eng.optimizer.param_groups[0]["params"][0].device.type == "cpu"
                     assert len(eng.optimizer.param_groups) > 1          # sub-groups step one by one
                 out[(stage, prec, gas, off)] = (losses, eng.consolidated_state_dict())
+    for prec in ("fp32", "bf16"):     # stage 3 with the parameters offloaded too
+        losses, eng = engine_losses(ToyNet, 10, 8, _cfg("stage3", prec, True, 1, world, params=True), rank, world,
+                                    use_init=prec == "bf16")
+        part = eng.partitioner
+        assert part.params_offloaded and all(u.sharded_params for u in part.units)
+        assert all(u.state == "free" for u in part.units if not u.persistent)
+        out[("stage3-param", prec)] = (losses, eng.consolidated_state_dict())
     return out
 
 
@@ -53,6 +62,22 @@ def test_offload_matches_in_memory(results, stage, prec, gas):
     assert max(abs(a - b) / abs(a) for a, b in zip(l0, l1)) <= tol
     for k in sd0:
         assert torch.allclose(sd0[k].float(), sd1[k].float(), rtol=0, atol=tol if prec == "fp32" else 2e-2), k
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_param_offload_matches_in_memory(results, prec):
+    world, res = results
+    (l0, sd0), (l1, sd1) = res[("stage3", prec, 1, False)], res[("stage3-param", prec)]
+    assert max(abs(a - b) / abs(a) for a, b in zip(l0, l1)) <= TOL[prec]
+    for k in sd0:
+        assert torch.allclose(sd0[k].float(), sd1[k].float(), rtol=0, atol=TOL[prec] if prec == "fp32" else 2e-2), k
+
+
+def test_param_offload_needs_optimizer_offload():
+    cfg = _cfg("stage3", "fp32", False)
+    cfg["offload"] = {"param": {"plugin": "cpu"}}
+    with pytest.raises(zeroplug.ConfigError, match=r"\[offload.optimizer\] plugin = \"cpu\""):
+        zeroplug.load_config(cfg)
 
 
 def test_plan_reports_and_fails_early_with_the_limit(caplog):

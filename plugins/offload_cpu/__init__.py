@@ -81,9 +81,9 @@ class CPUOffload(OffloadDevice):
             raise ConfigError("offload.param.plugin = \"cpu\" needs zero.plugin = \"stage3\" (only stage 3 "
                               "shards parameters); offload the optimizer with [offload.optimizer] instead",
                               key="offload.param.plugin")
-        if choice.path == "offload.param":
-            raise ConfigError("offload.param.plugin = \"cpu\" is not implemented yet in this version; "
-                              "offload the optimizer with [offload.optimizer] plugin = \"cpu\"",
+        if choice.path == "offload.param" and config.slot("offload.optimizer").name == "none":
+            raise ConfigError("offload.param.plugin = \"cpu\" needs the optimizer offloaded too: add "
+                              "[offload.optimizer] plugin = \"cpu\" (the fp32 masters update the host shards)",
                               key="offload.param.plugin")
 
 

@@ -97,7 +97,7 @@ class OffloadPath:
     def publish_range(self, a: int, b: int, k: int) -> None:
         """Master elements [a, b) into the model-dtype shards of the units they belong to."""
         master = self.part.master_flat[a:b]
-        if self.cuda:
+        if self.cuda and self.part.units[0].shard.device.type == "cuda":
             with torch.cuda.stream(self.h2d):
                 src = self._staging(k, b - a)
                 src.copy_(master, non_blocking=True)

@@ -45,13 +45,17 @@ class Stage3(Stage2):
             else o.stage3_param_persistence_threshold
         self.prefetch_size = int(0.9 * h * h) if o.stage3_prefetch_bucket_size == "auto" \
             else o.stage3_prefetch_bucket_size
+        self.params_offloaded = offload_param.offloaded
+        self.param_tier = offload_param
+        self.upload = (torch.cuda.Stream(self.run.device)
+                       if self.params_offloaded and self.run.device.type == "cuda" else None)
         super().setup(module, precision, offload_optimizer, offload_param)
         self.trace_prev: list[int] = []
         self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
         self.trace_cur: list[int] = []
         self._callback_queued = False
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
-        if self.layout_world == 1:
+        if self.layout_world == 1 and not self.params_offloaded:
             return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
         for m in module.modules():
             us = sorted({self.unit_of[p].index for p in m._parameters.values() if p is not None})
@@ -108,13 +112,18 @@ class Stage3(Stage2):
             layout.copy_in(full, [p.data.to(self.device, self.pdtype) for p in params])
             lo, hi = layout.shard_range(rank)
             shard = full[lo:hi] if world == 1 else full[lo:hi].clone()
-        unit = Unit(index, params, layout, full, rank, sharded_params=world > 1, shard=shard)
-        unit.persistent = world == 1 or layout.total <= self.persist_threshold
+        if self.params_offloaded:     # the shard lives in the param tier (pinned host memory)
+            host = self.param_tier.empty(shard.numel(), self.pdtype)
+            host.copy_(shard)
+            shard = host
+        unit = Unit(index, params, layout, full, rank, sharded_params=world > 1 or self.params_offloaded,
+                    shard=shard)
+        unit.persistent = (world == 1 and not self.params_offloaded) or layout.total <= self.persist_threshold
         unit.bind_params()
         if group is not None and world > 1:
             unit.state = FREE
             if unit.persistent:
-                unit.start_gather(self.comm)
+                unit.start_gather(self.comm, self.upload)
                 unit.wait_gather()
         elif not unit.persistent:
             free_storage(full)
@@ -129,7 +138,7 @@ class Stage3(Stage2):
 
     def _fetch(self, u: Unit) -> None:
         if u.state == FREE:
-            u.start_gather(self.comm)
+            u.start_gather(self.comm, self.upload)
         u.wait_gather()
 
     def _prefetch(self, order: list[int], start: int) -> None:
@@ -141,7 +150,7 @@ class Stage3(Stage2):
                 continue
             if budget < u.numel or live + u.numel > self.options.stage3_max_live_parameters:
                 break
-            u.start_gather(self.comm)
+            u.start_gather(self.comm, self.upload)
             self.prefetch_count += 1
             budget -= u.numel
             live += u.numel
@@ -214,9 +223,9 @@ class Stage3(Stage2):
     # -- after the optimizer ------------------------------------------------------------
     def _gather_after_step(self) -> None:
         """Only persistent units are kept whole; the others are gathered at their next use."""
-        if self.layout_world > 1:
+        if self.layout_world > 1 or self.params_offloaded:
             persistent = [u for u in self.units if u.persistent]
-            handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in persistent]
+            handles = [u.fill_full(self.comm, self.upload) for u in persistent]
             for h in handles:
                 h.wait()
 
@@ -224,7 +233,7 @@ class Stage3(Stage2):
     def gathered_params(self):
         for u in self.units:
             if u.state == FREE:
-                u.start_gather(self.comm)
+                u.start_gather(self.comm, self.upload)
         for u in self.units:
             u.wait_gather()
         try:

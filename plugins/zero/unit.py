@@ -19,6 +19,17 @@ from zeroplug.flat import FlatLayout, alloc_storage, free_storage
 FREE, INFLIGHT, READY = "free", "inflight", "ready"
 
 
+class _EventHandle:
+    """An upload on a side stream: waiting orders the current stream after it."""
+
+    def __init__(self, event, device):
+        self.event, self.device = event, device
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+        return True
+
+
 class Unit:
     def __init__(self, index: int, params: list[torch.nn.Parameter], layout: FlatLayout,
                  full: torch.Tensor, rank: int, sharded_params: bool, shard: torch.Tensor | None = None):
@@ -57,12 +68,33 @@ class Unit:
             free_storage(self.full)
 
     # -- stage 3: gather / release ------------------------------------------------
-    def start_gather(self, comm) -> None:
+    def start_gather(self, comm, upload=None) -> None:
         if self.state != FREE:
             return
         alloc_storage(self.full)
-        self.gather_handle = comm.all_gather(self.full, self.shard, async_op=True)
+        self.gather_handle = self.fill_full(comm, upload)
         self.state = INFLIGHT
+
+    def fill_full(self, comm, upload=None):
+        """Gather every rank's shard into ``full``; a shard offloaded to host memory is
+        uploaded first, on the ``upload`` stream when there is one."""
+        src = self.shard
+        if src.device != self.full.device:
+            if upload is None:
+                src = src.to(self.full.device)
+            else:
+                cur = torch.cuda.current_stream(self.full.device)
+                upload.wait_stream(cur)
+                with torch.cuda.stream(upload):
+                    if comm.world_size == 1:
+                        self.full.copy_(src, non_blocking=True)
+                        self.full.record_stream(upload)
+                        event = upload.record_event()
+                        return _EventHandle(event, self.full.device)
+                    src = src.to(self.full.device, non_blocking=True)
+                    src.record_stream(upload)
+                cur.wait_stream(upload)
+        return comm.all_gather(self.full, src, async_op=True)
 
     def wait_gather(self) -> None:
         if self.state == INFLIGHT:

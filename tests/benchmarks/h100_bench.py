@@ -81,6 +81,8 @@ def workload(args) -> dict:
         cfg["offload"] = {"optimizer": {"plugin": args.offload_optimizer}}
         cfg["optimizer"]["plugin"] = args.optimizer
         cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
+    if args.offload_param:
+        cfg["offload"]["param"] = {"plugin": args.offload_param}
     mcfg, model = build(args, cfg)
     nparams = param_count(mcfg)
     if args.baseline == "torch":
@@ -114,7 +116,7 @@ def workload(args) -> dict:
     med = statistics.median(times[2:])
     tps = args.micro_batch * args.seq / med
     res = {"model": args.model, "params": nparams, "zero": args.baseline or args.zero, "world": world,
-           "offload_optimizer": args.offload_optimizer, "step_s": med, "phases": phases(engine if args.baseline is None else None, x, y), "tokens_per_s_per_gpu": tps,
+           "offload_optimizer": args.offload_optimizer, "offload_param": args.offload_param, "step_s": med, "phases": phases(engine if args.baseline is None else None, x, y), "tokens_per_s_per_gpu": tps,
            "tflops_per_gpu": tps * flops_per_token(mcfg, args.seq) / 1e12,   # includes the 4/3 recompute
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "rss_gib": host_rss_bytes() / GB,
            "peak_rss_gib": peak_rss() / GB, "times": times}
@@ -185,6 +187,7 @@ def main():
     p.add_argument("--zero", default="stage2")
     p.add_argument("--baseline", choices=["torch"], default=None)
     p.add_argument("--offload-optimizer", choices=["cpu"], default=None)
+    p.add_argument("--offload-param", choices=["cpu"], default=None, help="stage 3, with --offload-optimizer")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--optimizer", default="adamw", help="optimizer plugin with --offload-optimizer")
     p.add_argument("--bucket", type=float, default=1e8, help="reduce_bucket_size with offload")
