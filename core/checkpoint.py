@@ -436,6 +436,8 @@ def resolve(load_dir, tag=None) -> Path:
             raise CheckpointError(f"no checkpoint in {str(root)!r}: there is no {LATEST!r} file "
                                   "(no save completed there); pass tag= to choose one")
         tag = latest.read_text().strip()
+        if not tag or "/" in tag or "\\" in tag or tag.startswith("."):
+            raise CheckpointError(f"{str(latest)!r} names {tag!r}, which is not a checkpoint tag")
     path = root / str(tag)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(tag)!r} not found in {str(root)!r}")

@@ -43,6 +43,10 @@ class CPUOffload(OffloadDevice):
     def offloaded(self) -> bool:
         return True
 
+    def __init__(self, options, run, kind):
+        super().__init__(options, run, kind)
+        self._registered: list[torch.Tensor] = []      # host buffers we page-locked
+
     def plan(self, nbytes, what):
         limit = self.options.host_memory_limit_gb * GB or host_available_bytes()
         source = ("offload.%s.host_memory_limit_gb" % self.kind if self.options.host_memory_limit_gb
