@@ -238,7 +238,8 @@ def test_auto_routing():
 
 
 def test_amsgrad_raises():
-    with pytest.raises(ValueError, match='cpu_adam does not implement amsgrad; use optimizer.plugin = "adamw"'):
+    msg = 'cpu_adam does not implement amsgrad; use optimizer.plugin = "adamw"'
+    with pytest.raises(ValueError, match=msg):
         CPUAdam([torch.zeros(3)], amsgrad=True)
 
 

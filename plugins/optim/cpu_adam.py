@@ -18,21 +18,23 @@ Two implementations, picked per call (``impl="auto"``, the default):
     One ``torch.compile`` d (inductor, C++/OpenMP, vectorised) elementwise kernel over the
     whole sub-group: load p, g (any float dtype), m, v; compute in fp32; store p, m, v and
     optionally the bf16/fp16 copy.  ``dynamic=True``: one compilation per (adamw, grad
-    dtype, lp dtype) serves every size and storage offset.  (Measured slower: compiled
-    calls per fixed-size chunk, and torch ops / ``_foreach`` ops per L2-sized chunk on
-    intra-op threads or on a thread pool: 2-4x behind, fork/join and dispatch overhead.)  Needs a working C++ compiler at run
-    time; the first call of each variant compiles it (seconds) and checks it against the
-    eager path on a 1M-element probe, for results and for speed (a compiled kernel more
-    than 1.3x slower than the eager path is not used).  Any failure falls back to
-    ``eager`` with a warning.
+    dtype, lp dtype) serves every size and storage offset.  Needs a working C++ compiler
+    at run time; the first call of each variant compiles it (seconds; up to a minute with
+    a cold inductor cache) and checks it against the eager path on a 1M-element probe, for
+    results and for speed (a compiled kernel more than 1.3x slower than the eager path is
+    not used).  Any failure falls back to ``eager`` with a warning.
 ``eager``
     ``torch._fused_adam(w)_`` (ATen's vectorised, multi-threaded single-pass CPU kernel).
     A plain fp32 step (fp32 grad, ``grad_scale=1``, no lp copy) is one call over the whole
     tensor; ``auto`` always takes it, because it is already one pass at memory speed
-    (measured equal to the compiled kernel) and needs no compiler.  When the gradient must be
-    converted / scaled or an lp copy written, the tensor is walked in cache-sized chunks
+    (measured equal to the compiled kernel) and needs no compiler.  When the gradient must
+    be converted / scaled or an lp copy written, the tensor is walked in cache-sized chunks
     (64K elements per thread) so that the conversion, the step and the copy-out of a chunk
     all hit L2 instead of streaming the whole tensor 3 times.
+
+Measured and dropped: compiled calls per fixed-size chunk (``dynamic=False``), and torch
+ops / ``_foreach`` ops per L2-sized chunk, on intra-op threads or on a thread pool: 1.3-4x
+slower than one kernel over the sub-group (fork/join and dispatch overhead per chunk).
 
 Tensors below ``_MIN_COMPILE_NUMEL`` always use ``eager`` (a compiled call costs ~30-40 us
 of guard and wrapper overhead).  Set ``ZEROPLUG_CPU_ADAM_IMPL=eager`` (or
@@ -150,7 +152,9 @@ class _Compiled:
                     ok = self._build(key, strict)
         if not ok:
             if strict:
-                raise RuntimeError(f"cpu_adam: compiled kernel unavailable ({self.errors.get(key)})")
+                raise RuntimeError(
+                    f"cpu_adam: compiled kernel unavailable ({self.errors.get(key)})"
+                )
             return None
         return self.fns[(key[0], key[2] is not None)]
 

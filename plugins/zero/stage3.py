@@ -144,12 +144,19 @@ class Stage3(Stage2):
     def _prefetch(self, order: list[int], start: int) -> None:
         """Start gathers for the units after position ``start`` of ``order``."""
         budget, live = self.prefetch_size, self._live_numel()
+        first = True
         for idx in order[start + 1:]:
             u = self.units[idx]
             if u.state != FREE:
+                first = False
                 continue
-            if budget < u.numel or live + u.numel > self.options.stage3_max_live_parameters:
+            # Note: the next unit is always prefetched when live parameters allow, even if
+            # it is larger than the bucket: with "auto" (0.9 x hidden^2) one MLP matrix
+            # (4 x hidden^2) would otherwise never be fetched ahead.
+            over = budget < u.numel and not (first and self.options.stage3_prefetch_bucket_size == "auto")
+            if over or live + u.numel > self.options.stage3_max_live_parameters:
                 break
+            first = False
             u.start_gather(self.comm, self.upload)
             self.prefetch_count += 1
             budget -= u.numel

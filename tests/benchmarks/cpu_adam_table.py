@@ -163,7 +163,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     mod = load_cpu_adam()
     n = args.n
-    need = max(8 * 17 * n, int(args.copy_gib * 3 * (1 << 30)))  # interleaved: ~8 paths live at once, ~17 bytes per element each
+    # interleaved: ~8 paths live at once, ~17 bytes per element each
+    need = max(8 * 17 * n, int(args.copy_gib * 3 * (1 << 30)))
     avail = mem_available()
     if not args.sequential and avail and need > 0.7 * avail:
         print(f"note: interleaving needs ~{need / 2**30:.0f} GiB, {avail / 2**30:.0f} GiB "
@@ -184,14 +185,16 @@ def main(argv=None) -> int:
 
     cases = []
     if not args.skip_loop:
-        cases.append(("torch AdamW for-loop", "fp32", lambda: make_torch_step(n, foreach=False, fused=False)))
+        cases.append(("torch AdamW for-loop", "fp32",
+                      lambda: make_torch_step(n, foreach=False, fused=False)))
     cases += [
         ("torch AdamW foreach", "fp32", lambda: make_torch_step(n, foreach=True)),
         ("torch AdamW fused", "fp32", lambda: make_torch_step(n, fused=True)),
         ("cpu_adam fp32 step", "fp32", lambda: make_cpu_adam(mod, n, "auto", False)),
         ("cpu_adam fp32 step [compile]", "fp32", lambda: make_cpu_adam(mod, n, "compile", False)),
         ("torch fused offload (g.float, step, lp.copy_)", "offload", lambda: make_torch_offload(n)),
-        ("cpu_adam offload (bf16 g -> bf16 lp)", "offload", lambda: make_cpu_adam(mod, n, "auto", True)),
+        ("cpu_adam offload (bf16 g -> bf16 lp)", "offload",
+         lambda: make_cpu_adam(mod, n, "auto", True)),
         ("cpu_adam offload [eager]", "offload", lambda: make_cpu_adam(mod, n, "eager", True)),
     ]
     rows, live = [], []
@@ -245,7 +248,8 @@ def main(argv=None) -> int:
     }
     by_name = {r["name"]: r for r in rows}
     fused = by_name.get("torch AdamW fused", {}).get("mparams_per_s")
-    fused_off = by_name.get("torch fused offload (g.float, step, lp.copy_)", {}).get("mparams_per_s")
+    fused_off = by_name.get("torch fused offload (g.float, step, lp.copy_)", {}).get(
+        "mparams_per_s")
     for r in rows:
         if "mparams_per_s" in r:
             r["vs_copy_roofline"] = r["mparams_per_s"] / roof[r["kind"]]
@@ -269,18 +273,22 @@ def main(argv=None) -> int:
           f"a.addcmul_(b, c) {bw['inplace_addcmul_GBps']:.1f}) "
           f"{bw['inplace_GBps']:.1f} GB/s -> {roof_inplace['fp32']:.0f} Mparams/s")
     print()
-    print("| path | kind | Mparams/s | vs torch fused | vs copy roofline | vs in-place roofline | impl |")
+    print("| path | kind | Mparams/s | vs torch fused | vs copy roofline "
+          "| vs in-place roofline | impl |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r['kind']} | error | | | | {r['error'][:120]} |")
+            err = r["error"].replace("|", "/").replace("\n", " ")[:120]
+            print(f"| {r['name']} | {r['kind']} | error | | | | {err} |")
             continue
         vs = f"{r['vs_torch_fused']:.2f}x" if "vs_torch_fused" in r else ""
         impl = r.get("path", "")
         print(f"| {r['name']} | {r['kind']} | {r['mparams_per_s']:.0f} | {vs} | "
-              f"{100 * r['vs_copy_roofline']:.0f}% | {100 * r['vs_inplace_roofline']:.0f}% | {impl} |")
+              f"{100 * r['vs_copy_roofline']:.0f}% | "
+              f"{100 * r['vs_inplace_roofline']:.0f}% | {impl} |")
     print(f"| roofline: copy, {BYTES_FP32_STEP} B/elem | | {roof['fp32']:.0f} | | 100% | | |")
-    print(f"| roofline: in-place, {BYTES_FP32_STEP} B/elem | | {roof_inplace['fp32']:.0f} | | | 100% | |")
+    print(f"| roofline: in-place, {BYTES_FP32_STEP} B/elem | | "
+          f"{roof_inplace['fp32']:.0f} | | | 100% | |")
     print()
     print("(vs torch fused: fp32 rows against torch AdamW fused; offload rows against the "
           "torch fused offload composition)")
