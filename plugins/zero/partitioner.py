@@ -320,15 +320,18 @@ class FlatPartitioner(Partitioner):
 
 
 class Stage0(FlatPartitioner):
+    """Data parallel: everything whole on every rank; bucketed all-reduce overlapping backward."""
     stage = 0
 
 
 class Stage1(FlatPartitioner):
+    """ZeRO-1: fp32 masters and optimizer states sharded; gradients all-reduced."""
     stage = 1
     shard_optimizer = True
 
 
 class Stage2(FlatPartitioner):
+    """ZeRO-2: as stage 1, plus gradients reduce-scattered into shards during backward."""
     stage = 2
     shard_optimizer = True
     shard_grads = True

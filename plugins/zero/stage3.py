@@ -35,6 +35,7 @@ def _in_backward() -> bool:
 
 
 class Stage3(Stage2):
+    """ZeRO-3: as stage 2, plus parameters sharded and gathered around each module's use."""
     stage = 3
     shard_params = True
 

@@ -1,0 +1,841 @@
+"""AsyncSwapper: tensors to files on a local NVMe disk and back, at disk speed.
+
+How a transfer runs::
+
+    write(key, t)  caller thread: record the size, hand a coroutine to the swapper's loop
+                   loop thread:   per buffer-sized chunk of t: take a free bounce buffer
+                                  (round-robin queue), copy the chunk in (copy threads),
+                                  split it into block_size requests, queue_depth of them
+                                  in flight at once over thread_count I/O threads
+                                  (aiofiles.os.wrap(os.pwritev) on an O_DIRECT descriptor),
+                                  give the buffer back
+    read(key, out) the same in reverse: the file is read into a bounce buffer first and
+                   copied into ``out`` only when every request of that chunk succeeded
+
+Transfers of one key run in the order they were issued; transfers of different keys
+run concurrently. Files are padded to 4096 bytes (O_DIRECT's alignment) and
+preallocated before the first write, so parallel direct writes into the file are
+overwrites that filesystems (ext4, xfs) let run under a shared lock.
+
+Files live in a private directory ``zeroplug-swap-<pid>-<random>`` (0700, files 0600)
+under ``nvme_path``. It is removed by :meth:`AsyncSwapper.close`, at interpreter exit
+(atexit), on SIGTERM (the handler cleans up, then chains to the previous handler or
+re-raises the default action) and by ``with AsyncSwapper(...)`` on an exception. A
+directory left by a run that was killed (SIGKILL, a crash) is found and removed at the
+next start under the same ``nvme_path``.
+
+Note: where O_DIRECT is refused (tmpfs on older kernels, some network filesystems:
+EINVAL at open or at the first aligned request), the swapper warns once and uses
+buffered I/O (the page cache then holds a copy of what is swapped).
+
+Note: a failed write leaves the source tensor untouched (it is only read) and drops
+the key (its old bytes on disk may be half-overwritten); a failed read leaves the
+destination untouched when the tensor fits in one buffer (which :func:`plan` checks);
+a larger tensor is streamed chunk by chunk and the error then says the destination
+was partially overwritten.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import ctypes
+import errno
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import Future as _CFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import aiofiles.os
+import torch
+
+from zeroplug.errors import ConfigError, ZeroplugError
+from zeroplug.memory import GB, host_available_bytes
+
+log = logging.getLogger("zeroplug")
+
+ALIGN = 4096                          # O_DIRECT alignment of memory, offsets and lengths
+PIECE = 16 << 20                      # a write starts its requests after each PIECE bytes copied
+DIR_PREFIX = "zeroplug-swap-"
+_DIR_RE = re.compile(r"^zeroplug-swap-(\d+)-[0-9a-f]+$")
+_OWNER = ".owner"
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+# --- errors --------------------------------------------------------------------------
+
+class SwapError(ZeroplugError):
+    """An NVMe swap operation failed; the message names the path, the cause and the fix."""
+
+    def __init__(self, message: str, path: str | None = None, errno_: int | None = None):
+        super().__init__(message)
+        self.path, self.errno = path, errno_
+
+
+class SwapSpaceError(SwapError):
+    """Not enough free space at nvme_path (ENOSPC / EDQUOT, or plan()'s check)."""
+
+
+class SwapPathError(SwapError):
+    """nvme_path is missing, not a directory, read-only or not writable by this user."""
+
+
+class SwapIOError(SwapError):
+    """The disk reported an I/O error (EIO) or another unexpected OS error."""
+
+
+class SwapMemoryError(SwapError, MemoryError):
+    """The swap buffers do not fit in the available host memory."""
+
+
+_FIXES = {
+    errno.ENOSPC: (SwapSpaceError, "free space there, or point nvme_path at a disk with more room "
+                                   "(plan() reports how much the swap files need)"),
+    errno.EDQUOT: (SwapSpaceError, "this user's disk quota is exhausted: raise it, free space, or "
+                                   "point nvme_path at another disk"),
+    errno.EROFS: (SwapPathError, "the filesystem is mounted read-only: remount it read-write or set "
+                                 "nvme_path to a writable local disk"),
+    errno.EACCES: (SwapPathError, "this user may not write there: chmod/chown the directory or set "
+                                  "nvme_path to a directory you own"),
+    errno.EPERM: (SwapPathError, "the operation is not permitted there: set nvme_path to a directory "
+                                 "you own on a local disk"),
+    errno.ENOENT: (SwapPathError, "create it (mkdir -p) or fix nvme_path"),
+    errno.ENOTDIR: (SwapPathError, "nvme_path must be a directory: fix nvme_path"),
+    errno.EIO: (SwapIOError, "the disk or filesystem reported a hardware error: check `dmesg` and the "
+                             "drive's health (nvme smart-log / smartctl), or use another nvme_path"),
+}
+
+
+def explain(exc: OSError, path: str, action: str, note: str = "") -> SwapError:
+    """An ``OSError`` as a :class:`SwapError` naming the path, the errno meaning and the fix."""
+    e = exc.errno if exc.errno is not None else errno.EIO
+    cls, fix = _FIXES.get(e, (SwapIOError, "check the disk and nvme_path"))
+    meaning = f"{errno.errorcode.get(e, 'errno ' + str(e))} ({os.strerror(e)})"
+    msg = f"NVMe swap: {action} failed at {path}: {meaning}. Fix: {fix}."
+    if note:
+        msg += " " + note
+    err = cls(msg, path, e)
+    err.__cause__ = exc
+    return err
+
+
+# --- the run's directory, stale directories, cleanup at exit / SIGTERM ------------------
+
+def _proc_start(pid: int) -> str | None:
+    """The start time of a process (clock ticks since boot), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / GB:.2f} GiB" if n >= GB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def check_path(nvme_path: str, key: str = "nvme_path") -> str:
+    """``nvme_path`` must exist, be a directory and be writable; returns its absolute path."""
+    if not nvme_path:
+        raise ConfigError(f"{key} is empty: set it to a directory on a local NVMe disk", key=key)
+    path = os.path.abspath(os.path.expanduser(nvme_path))
+    if not os.path.exists(path):
+        raise explain(FileNotFoundError(errno.ENOENT, "missing"), path, f"{key} = {nvme_path!r}")
+    if not os.path.isdir(path):
+        raise explain(NotADirectoryError(errno.ENOTDIR, "not a directory"), path, f"{key} = {nvme_path!r}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        try:    # tell a read-only filesystem from a permission problem
+            ro = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        except OSError:
+            ro = False
+        e = errno.EROFS if ro else errno.EACCES
+        raise explain(OSError(e, os.strerror(e)), path, f"{key} = {nvme_path!r}: not writable")
+    return path
+
+
+def clean_stale(nvme_path: str) -> list[tuple[str, int]]:
+    """Remove swap directories under ``nvme_path`` whose process is gone; returns (dir, bytes)."""
+    removed = []
+    host = socket.gethostname()
+    try:
+        names = os.listdir(nvme_path)
+    except OSError:
+        return removed
+    for name in names:
+        m = _DIR_RE.match(name)
+        if not m:
+            continue
+        d = os.path.join(nvme_path, name)
+        pid = int(m.group(1))
+        try:
+            with open(os.path.join(d, _OWNER)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            owner = None
+        if owner is not None:
+            if owner.get("host") != host:
+                continue            # another machine's run on a shared filesystem
+            start = owner.get("start")
+            stale = not _alive(pid) or (start is not None and _proc_start(pid) not in (None, start))
+        else:
+            try:                    # no marker: being created right now, or killed right then
+                young = time.time() - os.lstat(d).st_mtime < 60
+            except OSError:
+                continue
+            stale = not young and not _alive(pid)
+        if not stale:
+            continue
+        size = _tree_bytes(d)
+        shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(d):
+            log.warning("NVMe swap: found the stale swap directory %s (%s) of a run that ended without "
+                        "cleaning up (pid %d), but could not remove it; remove it by hand", d,
+                        _fmt_bytes(size), pid)
+            continue
+        log.warning("NVMe swap: removed the stale swap directory %s (%s) left by a run that ended without "
+                    "cleaning up (pid %d is gone)", d, _fmt_bytes(size), pid)
+        removed.append((d, size))
+    return removed
+
+
+def _make_run_dir(base: str) -> str:
+    for _ in range(100):
+        d = os.path.join(base, f"{DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise explain(exc, base, "creating the swap directory") from None
+        try:
+            os.chmod(d, 0o700)      # whatever the umask
+            fd = os.open(os.path.join(d, _OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(),
+                           "start": _proc_start(os.getpid())}, f)
+        except OSError as exc:
+            shutil.rmtree(d, ignore_errors=True)
+            raise explain(exc, d, "writing into the swap directory") from None
+        return d
+    raise SwapPathError(f"NVMe swap: could not create a unique directory under {base}", base)
+
+
+_LIVE: dict[int, "AsyncSwapper"] = {}
+_LIVE_LOCK = threading.Lock()
+_HANDLER_STATE: dict[str, Any] = {"installed": False, "previous": None}
+
+
+def _cleanup_all(fast: bool) -> None:
+    with _LIVE_LOCK:
+        swappers = list(_LIVE.values())
+    for s in swappers:
+        try:
+            s._remove_dir() if fast else s.close(wait=False)
+        except Exception:   # noqa: BLE001 - cleanup at exit must not raise
+            pass
+
+
+def _atexit() -> None:
+    _cleanup_all(fast=False)
+
+
+def _on_sigterm(signum, frame):
+    prev = _HANDLER_STATE["previous"]
+    if callable(prev):
+        # Note: a previous handler decides. If it returns, the process goes on (e.g. to save a
+        # checkpoint, which may need the swap files) and they stay; if it raises (SystemExit,
+        # torchelastic's SignalException) the exception unwinds and atexit removes them.
+        prev(signum, frame)
+        return
+    _cleanup_all(fast=True)        # the default action follows: files first
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_handlers() -> None:
+    if _HANDLER_STATE["installed"]:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        log.debug("NVMe swap: not on the main thread, so no SIGTERM handler (atexit still cleans up)")
+        return
+    prev = signal.getsignal(signal.SIGTERM)
+    if prev is signal.SIG_IGN:
+        _HANDLER_STATE["installed"] = True        # the process ignores SIGTERM: so do we
+        return
+    _HANDLER_STATE["previous"] = prev if callable(prev) else None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _HANDLER_STATE["installed"] = True
+
+
+def _after_fork_in_child() -> None:
+    # a forked child (a DataLoader worker) must never remove its parent's files
+    with _LIVE_LOCK:
+        _LIVE.clear()
+
+
+atexit.register(_atexit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# --- plan: the checks before anything is allocated ----------------------------------------
+
+@dataclass(frozen=True)
+class SwapPlan:
+    path: str
+    buffer_numel: int
+    buffer_bytes: int
+    buffer_count: int
+    pinned: bool
+    pinned_bytes: int            # buffer_count x buffer bytes
+    swap_bytes: int              # the swap files' total, padded
+    free_bytes: int              # free at path now
+
+    def describe(self) -> str:
+        return (f"NVMe swap at {self.path}: {self.buffer_count} x {self.buffer_numel} elements "
+                f"= {_fmt_bytes(self.pinned_bytes)} of {'pinned ' if self.pinned else ''}host buffers; "
+                f"swap files {_fmt_bytes(self.swap_bytes)} of {_fmt_bytes(self.free_bytes)} free")
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def plan(total_bytes: int, largest_numel: int, options, *, element_size: int = 4,
+         num_files: int = 0, where: str = "offload") -> SwapPlan:
+    """Check a swap setup before allocating anything.
+
+    ``total_bytes``: the bytes that will be swapped out at once (all files);
+    ``largest_numel``: the largest parameter / sub-group that one buffer must hold;
+    ``options``: the nvme tier's options (``nvme_path``, ``buffer_count``, ``buffer_size``
+    (None = ``largest_numel``), ``pin_memory``); ``where``: the TOML table, for messages.
+    Raises :class:`ConfigError` (buffer_size too small), :class:`SwapMemoryError` (buffers
+    over the available host memory), :class:`SwapSpaceError` (not enough free disk) or
+    :class:`SwapPathError`. Removes stale swap directories first (they hold disk space).
+    """
+    path = check_path(options.nvme_path, f"{where}.nvme_path")
+    size = options.buffer_size if options.buffer_size is not None else largest_numel
+    size = max(1, int(size))
+    if size < largest_numel:
+        raise ConfigError(
+            f"{where}.buffer_size = {size} elements is smaller than the largest parameter or sub-group "
+            f"({largest_numel} elements), which one swap buffer must hold (DeepSpeed: \"More elements "
+            f"... than buffer size\"). Set {where}.buffer_size >= {largest_numel}, or lower "
+            f"zero.sub_group_size", key=f"{where}.buffer_size")
+    count = options.buffer_count if options.buffer_count is not None else 4
+    buffer_bytes = _align(size * element_size)
+    pinned = bool(options.pin_memory) and torch.cuda.is_available()
+    pinned_bytes = count * buffer_bytes
+    avail = host_available_bytes()
+    if pinned_bytes > avail:
+        raise SwapMemoryError(
+            f"NVMe swap buffers need {_fmt_bytes(pinned_bytes)} ({pinned_bytes} bytes) of "
+            f"{'pinned ' if pinned else ''}host memory ({where}.buffer_count = {count} x buffer_size = "
+            f"{size} elements x {element_size} bytes) but only {_fmt_bytes(avail)} ({avail} bytes) is "
+            f"available. Lower {where}.buffer_count or buffer_size (not below {largest_numel}), or "
+            f"free host memory", path)
+    clean_stale(path)
+    swap_bytes = _align(int(total_bytes)) + num_files * ALIGN
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if swap_bytes > free:
+        raise SwapSpaceError(
+            f"NVMe swap: the swap files need {_fmt_bytes(swap_bytes)} ({swap_bytes} bytes) at {path} but "
+            f"only {_fmt_bytes(free)} ({free} bytes) is free there. Free space, point {where}.nvme_path "
+            f"at a larger disk, or use more ranks (each holds a 1/N shard)", path, errno.ENOSPC)
+    p = SwapPlan(path, size, buffer_bytes, count, pinned, pinned_bytes, swap_bytes, free)
+    log.info(p.describe())
+    return p
+
+
+# --- futures -------------------------------------------------------------------------------
+
+class SwapFuture:
+    """The result of :meth:`AsyncSwapper.write` / :meth:`AsyncSwapper.read`."""
+
+    def __init__(self, fut: _CFuture, key: Hashable, nbytes: int, owner: "AsyncSwapper"):
+        self._fut, self.key, self.nbytes, self._owner = fut, key, nbytes, owner
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raises the transfer's :class:`SwapError` (once seen here,
+        :meth:`AsyncSwapper.wait_all` does not raise it again)."""
+        try:
+            self._fut.result(timeout)
+        except BaseException:
+            if self._fut.done():
+                self._owner._seen(self._fut)
+            raise
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def exception(self, timeout: float | None = None):
+        return self._fut.exception(timeout)
+
+    def __repr__(self) -> str:
+        return f"SwapFuture({self.key!r}, {self.nbytes} bytes, {'done' if self.done() else 'pending'})"
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    if not torch.is_tensor(t):
+        raise TypeError(f"AsyncSwapper: expected a tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError("AsyncSwapper: tensors must be contiguous (call .contiguous() first)")
+    t = t.detach().reshape(-1)
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _copy_in(buf: torch.Tensor, src: torch.Tensor, off: int, n: int, padded: int) -> None:
+    buf[:n].copy_(src[off:off + n])
+    if padded > n:
+        buf[n:padded].zero_()
+
+
+def _copy_out(buf: torch.Tensor, dst: torch.Tensor, off: int, n: int) -> None:
+    dst[off:off + n].copy_(buf[:n])
+
+
+def _has_direct(fd: int) -> bool:
+    import fcntl
+    try:
+        return bool(O_DIRECT) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
+    except OSError:
+        return False
+
+
+def _clear_direct(fd: int) -> None:
+    import fcntl
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+
+
+_WARNED_BUFFERED = False
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    file: str
+    valid: bool = False
+
+
+# --- the swapper ---------------------------------------------------------------------------
+
+class AsyncSwapper:
+    """Asynchronous tensor <-> file swapping through aligned bounce buffers reused in turn.
+
+    ``buffer_size`` is in elements of ``element_size`` bytes (DeepSpeed's convention:
+    4 for fp32 optimizer states); each buffer holds ``buffer_size x element_size``
+    bytes rounded up to 4096. A tensor larger than one buffer is streamed through the
+    buffers chunk by chunk. ``direct=False`` forces buffered I/O.
+    """
+
+    def __init__(self, nvme_path: str, *, buffer_count: int = 4, buffer_size: int = int(1e8),
+                 element_size: int = 4, block_size: int = 1 << 20, queue_depth: int = 8,
+                 thread_count: int = 4, pin_memory: bool = True, direct: bool = True,
+                 copy_threads: int = 2):
+        for name, v in (("buffer_count", buffer_count), ("buffer_size", buffer_size),
+                        ("element_size", element_size), ("queue_depth", queue_depth),
+                        ("thread_count", thread_count), ("copy_threads", copy_threads)):
+            if int(v) < 1:
+                raise ConfigError(f"AsyncSwapper: {name} = {v} must be >= 1", key=name)
+        if block_size < ALIGN or block_size % ALIGN:
+            raise ConfigError(f"AsyncSwapper: block_size = {block_size} must be a multiple of {ALIGN}",
+                              key="block_size")
+        self._closed = True          # until fully started
+        self._dir: str | None = None
+        self._owner = os.getpid()
+        self.base = check_path(nvme_path)
+        clean_stale(self.base)
+        self.buffer_count, self.block_size = int(buffer_count), int(block_size)
+        self.queue_depth, self.thread_count = int(queue_depth), int(thread_count)
+        self.buffer_bytes = _align(int(buffer_size) * int(element_size))
+        self.pinned = bool(pin_memory) and torch.cuda.is_available()
+        self.direct = bool(direct) and O_DIRECT != 0
+        self._direct_ok = False      # a direct request succeeded: EINVAL is then a real error
+        self._lock = threading.RLock()   # _done may run inside _submit
+        self._names: dict[Hashable, str] = {}      # key -> file (caller's view, in issue order)
+        self._sizes: dict[Hashable, int] = {}      # key -> bytes of the last issued write
+        self._entries: dict[Hashable, _Entry] = {}  # loop's view: what is on disk
+        self._last: dict[Hashable, _CFuture] = {}  # last transfer issued per key (ordering)
+        self._pending: set[_CFuture] = set()
+        self._errors: list[_CFuture] = []          # failed, not yet seen by wait()/wait_all()
+        self._files = 0
+        self._loop = None
+        self._io = self._copy = None
+        self._buffers: list[torch.Tensor] = []
+        self._dir = _make_run_dir(self.base)
+        with _LIVE_LOCK:
+            _LIVE[id(self)] = self
+        _install_handlers()
+        try:
+            self._buffers = [self._alloc(self.buffer_bytes) for _ in range(self.buffer_count)]
+            self._views = [memoryview((ctypes.c_char * self.buffer_bytes).from_address(b.data_ptr())).cast("B")
+                           for b in self._buffers]
+            self._io = ThreadPoolExecutor(self.thread_count, thread_name_prefix="zeroplug-aio")
+            self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix="zeroplug-swapcopy")
+            self._pwritev = aiofiles.os.wrap(os.pwritev)
+            self._preadv = aiofiles.os.wrap(os.preadv)
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._run_loop, name="zeroplug-swapper", daemon=True)
+            self._thread.start()
+            asyncio.run_coroutine_threadsafe(self._setup(), self._loop).result()
+        except BaseException:
+            self._closed = False
+            self.close(wait=False)
+            raise
+        self._closed = False
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        if t.data_ptr() % ALIGN:
+            t = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
+            off = (-t.data_ptr()) % ALIGN
+            t = t[off:off + nbytes]
+        if not self.pinned:
+            t.zero_()        # fault the pages in now, not during the first transfers
+        return t
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _setup(self) -> None:
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(self.buffer_count):
+            self._free.put_nowait(i)
+        self._slots = asyncio.Semaphore(self.queue_depth)
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def path(self) -> str | None:
+        """This run's private swap directory (None once closed)."""
+        return self._dir
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def write(self, key: Hashable, tensor: torch.Tensor) -> SwapFuture:
+        """Write ``tensor`` (any dtype, contiguous, CPU or CUDA) to ``key``'s file.
+
+        Returns at once; the tensor must not change until the future is done (its
+        bytes are copied into the bounce buffers in the background).
+        """
+        src = _bytes_of(tensor)
+        with self._lock:
+            self._check_open()
+            path = self._names.get(key)
+            if path is None:
+                self._files += 1
+                hint = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key))[:60]
+                path = self._names[key] = os.path.join(self._dir, f"{self._files:06d}-{hint}.swp")
+            self._sizes[key] = src.numel()
+            return self._submit(key, self._write(key, path, src, self._last.get(key)), src.numel())
+
+    def read(self, key: Hashable, out: torch.Tensor) -> SwapFuture:
+        """Read ``key``'s bytes into ``out`` (same byte size; any dtype, contiguous, CPU or CUDA)."""
+        dst = _bytes_of(out)
+        with self._lock:
+            self._check_open()
+            size = self._sizes.get(key)
+            if size is None:
+                raise SwapError(f"NVMe swap: nothing was written under key {key!r}", self._dir)
+            if size != dst.numel():
+                raise ValueError(f"AsyncSwapper.read({key!r}): the destination has {dst.numel()} bytes "
+                                 f"but {size} were written")
+            return self._submit(key, self._read(key, dst, self._last.get(key)), dst.numel())
+
+    def wait_all(self) -> None:
+        """Wait for every transfer issued so far; raises the first failure not yet seen
+        through its own future's ``wait()``."""
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            try:
+                f.result()
+            except BaseException:    # noqa: BLE001 - collected below
+                pass
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0].exception()
+
+    def delete(self, key: Hashable) -> None:
+        """Remove ``key``'s file once the transfers of ``key`` already issued are done."""
+        with self._lock:
+            self._check_open()
+            self._sizes.pop(key, None)
+            self._names.pop(key, None)
+            fut = self._submit(key, self._delete(key, self._last.get(key)), 0)
+        fut.wait()
+        with self._lock:
+            if self._last.get(key) is fut._fut:
+                del self._last[key]
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._sizes)
+
+    def close(self, wait: bool = True) -> None:
+        """Finish (``wait``) or cancel the pending transfers, free the buffers, remove the
+        directory. Idempotent; also run at exit, on SIGTERM and by ``with`` on an error."""
+        if self._closed and self._dir is None:
+            return
+        self._closed = True
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            if wait:
+                for f in list(self._pending):
+                    try:
+                        f.result()
+                    except BaseException:   # noqa: BLE001 - reported to whoever waits on it
+                        pass
+            else:
+                try:
+                    asyncio.run_coroutine_threadsafe(self._cancel_all(), loop).result(timeout=30)
+                except Exception:           # noqa: BLE001
+                    pass
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=30)
+        # Note: requests already inside a syscall cannot be cancelled; the pools' shutdown
+        # waits for them, so no thread still reads or writes a buffer when it is freed.
+        for pool in (self._io, self._copy):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        if loop is not None and not loop.is_running():
+            loop.close()
+        self._views, self._buffers = [], []
+        self._remove_dir()
+
+    def __enter__(self) -> "AsyncSwapper":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
+
+    def __repr__(self) -> str:
+        return (f"AsyncSwapper({self._dir!r}, buffers={self.buffer_count}x{self.buffer_bytes}B, "
+                f"block_size={self.block_size}, queue_depth={self.queue_depth}, "
+                f"threads={self.thread_count}, direct={self.direct}, pinned={self.pinned})")
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SwapError("NVMe swap: the swapper is closed", self._dir)
+
+    def _remove_dir(self) -> None:
+        with _LIVE_LOCK:
+            _LIVE.pop(id(self), None)
+        d, self._dir = self._dir, None
+        if d is None or os.getpid() != self._owner:
+            return
+        shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(d):    # a straggling request created a file meanwhile
+            time.sleep(0.05)
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _submit(self, key, coro, nbytes: int) -> SwapFuture:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._last[key] = fut
+        self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return SwapFuture(fut, key, nbytes, self)
+
+    def _done(self, fut) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+            if not fut.cancelled() and fut.exception() is not None:
+                self._errors.append(fut)
+
+    def _seen(self, fut) -> None:
+        with self._lock:
+            if fut in self._errors:
+                self._errors.remove(fut)
+
+    async def _cancel_all(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=20)
+
+    @staticmethod
+    async def _after(prev) -> None:
+        if prev is not None:
+            try:
+                await asyncio.wrap_future(prev)
+            except BaseException:    # noqa: BLE001 - the earlier transfer reports its own error
+                pass
+
+    async def _run(self, pool, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def _open(self, path: str, write: bool) -> int:
+        flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+        flags |= os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        if self.direct:
+            try:
+                return os.open(path, flags | O_DIRECT, 0o600)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._fall_back("EINVAL on open with O_DIRECT")
+        return os.open(path, flags, 0o600)
+
+    def _fall_back(self, why: str) -> None:
+        global _WARNED_BUFFERED
+        self.direct = False
+        if not _WARNED_BUFFERED:
+            _WARNED_BUFFERED = True
+            log.warning("NVMe swap: %s does not support O_DIRECT (%s); using buffered I/O (slower, and the "
+                        "page cache holds a copy of the swapped data). Put nvme_path on a local NVMe "
+                        "filesystem (ext4, xfs) for direct I/O", self.base, why)
+
+    async def _request(self, fd: int, view: memoryview, foff: int, write: bool) -> None:
+        """One block request: all of ``view`` at file offset ``foff`` (short transfers retried)."""
+        async with self._slots:
+            done, retried = 0, False
+            while done < len(view):
+                fn = self._pwritev if write else self._preadv
+                try:
+                    n = await fn(fd, [view[done:]], foff + done, executor=self._io)
+                except OSError as exc:
+                    # EINVAL before any direct request succeeded: the filesystem refuses
+                    # O_DIRECT at I/O time (tmpfs, some FUSE / network filesystems)
+                    if exc.errno == errno.EINVAL and not self._direct_ok and not retried:
+                        retried = True
+                        if _has_direct(fd):
+                            _clear_direct(fd)
+                        self._fall_back("EINVAL on the first aligned O_DIRECT request")
+                        continue
+                    raise
+                if n == 0:
+                    raise OSError(errno.EIO, "unexpected end of file" if not write else "wrote 0 bytes")
+                done += n
+            if not self._direct_ok and self.direct and _has_direct(fd):
+                self._direct_ok = True
+
+    async def _gather(self, coros) -> None:
+        results = await asyncio.gather(*coros, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _blocks(self, fd: int, view: memoryview, foff: int, write: bool) -> None:
+        bs = self.block_size
+        await self._gather(self._request(fd, view[o:o + bs], foff + o, write) for o in range(0, len(view), bs))
+
+    async def _write_chunk(self, fd: int, src: torch.Tensor, off: int, n: int) -> None:
+        i = await self._free.get()
+        try:
+            # copy in pieces and start each piece's requests as soon as it is in the buffer
+            step = max(self.block_size, PIECE)
+            writes = []
+            for p in range(0, n, step):
+                m = min(step, n - p)
+                padded = _align(m)
+                await self._run(self._copy, _copy_in, self._buffers[i][p:], src, off + p, m, padded)
+                writes.append(asyncio.ensure_future(
+                    self._blocks(fd, self._views[i][p:p + padded], off + p, write=True)))
+            await self._gather(writes)
+        finally:
+            self._free.put_nowait(i)
+
+    async def _read_chunk(self, fd: int, dst: torch.Tensor, off: int, n: int) -> None:
+        i = await self._free.get()
+        try:
+            await self._blocks(fd, self._views[i][:_align(n)], off, write=False)
+            await self._run(self._copy, _copy_out, self._buffers[i], dst, off, n)
+        finally:
+            self._free.put_nowait(i)
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        return [(o, min(self.buffer_bytes, n - o)) for o in range(0, n, self.buffer_bytes)]
+
+    async def _write(self, key, path: str, src: torch.Tensor, prev) -> None:
+        await self._after(prev)
+        n = src.numel()
+        self._entries[key] = entry = _Entry(n, path)
+        fd = -1
+        try:
+            fd = await self._run(self._io, self._open, path, True)
+            padded = _align(n)
+            size = os.fstat(fd).st_size
+            if size < padded:       # allocate up front: ENOSPC before any data moves, and the
+                # parallel direct writes are then overwrites (shared inode lock on ext4/xfs)
+                await self._run(self._io, os.posix_fallocate, fd, 0, padded)
+            elif size > padded:
+                os.ftruncate(fd, padded)
+            await self._gather(self._write_chunk(fd, src, o, c) for o, c in self._chunks(n))
+            entry.valid = True
+        except OSError as exc:
+            try:                    # free the space: the old contents are lost anyway
+                os.unlink(path)
+            except OSError:
+                pass
+            raise explain(exc, path, f"writing {key!r} ({n} bytes)",
+                          "The in-memory tensor is intact; the key's data on disk was dropped.") from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    async def _read(self, key, dst: torch.Tensor, prev) -> None:
+        await self._after(prev)
+        entry = self._entries.get(key)
+        if entry is None or not entry.valid:
+            raise SwapError(f"NVMe swap: no valid data for key {key!r} (its last write failed or it was "
+                            f"deleted); the destination is untouched", self._dir)
+        n = dst.numel()
+        chunks = self._chunks(n)
+        fd = -1
+        try:
+            fd = await self._run(self._io, self._open, entry.file, False)
+            await self._gather(self._read_chunk(fd, dst, o, c) for o, c in chunks)
+        except OSError as exc:
+            note = ("The destination is untouched." if len(chunks) <= 1 else
+                    "The destination may be partially overwritten (the tensor is larger than one swap buffer).")
+            raise explain(exc, entry.file, f"reading {key!r} ({n} bytes)", note) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    async def _delete(self, key, prev) -> None:
+        await self._after(prev)
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            try:
+                os.unlink(entry.file)
+            except FileNotFoundError:
+                pass
