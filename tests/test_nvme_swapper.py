@@ -455,7 +455,7 @@ def test_tier_options_and_lifecycle(tmp_path, caplog):
                        "optimizer")
     assert tier.device == torch.device("cpu") and tier.options.buffer_count == 4
     assert tier.empty(10, torch.float32).device.type == "cpu"
-    tier.plan(total_bytes=3 * 40_000, largest_numel=10_000)
+    tier.plan_swap(total_bytes=3 * 40_000, largest_numel=10_000)
     sw = tier.swapper
     assert tier.swapper is sw and sw.buffer_bytes == 40_960
     t = torch.randn(10_000)

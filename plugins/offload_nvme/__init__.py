@@ -140,12 +140,23 @@ class NVMeOffload(OffloadDevice):
         self.allocated += nbytes
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
-    def plan(self, total_bytes: int, largest_numel: int, element_size: int | None = None,
-             num_files: int = 0) -> SwapPlan:
+    #: the partitioner keeps each sub-group's states in files between steps
+    swaps_states = True
+
+    @property
+    def offloaded(self) -> bool:
+        return True
+
+    def plan(self, nbytes, what):
+        """The host part (the OffloadDevice protocol): the partitioner calls plan_swap
+        for the files and the staging buffers."""
+
+    def plan_swap(self, total_bytes: int, largest_numel: int, element_size: int | None = None,
+                  num_files: int = 0) -> SwapPlan:
         """Check before allocating: buffer_size >= ``largest_numel``, buffers fit in host memory,
         the swap files (``total_bytes``) fit at nvme_path. Sizes the swapper's buffers."""
         if self._swapper is not None:
-            raise SwapError("NVMe swap: plan() must run before the swapper is first used", self.options.nvme_path)
+            raise SwapError("NVMe swap: plan_swap() must run before the swapper is first used", self.options.nvme_path)
         if element_size is not None:
             self._element_size = element_size
         self._plan = plan(total_bytes, largest_numel, self.options, element_size=self._element_size,
@@ -171,6 +182,11 @@ class NVMeOffload(OffloadDevice):
 
     @classmethod
     def check_config(cls, config, choice):
+        if choice.path == "offload.param" and config.slot("zero").name == "stage3":
+            raise ConfigError("offload.param.plugin = \"nvme\" is not wired into training yet (the swapper "
+                              "is); keep parameters in host memory with [offload.param] plugin = \"cpu\" and "
+                              "put the optimizer states on NVMe with [offload.optimizer] plugin = \"nvme\"",
+                              key="offload.param.plugin")
         if choice.path == "offload.param" and config.slot("zero").name != "stage3":
             raise ConfigError("offload.param.plugin = \"nvme\" needs zero.plugin = \"stage3\" (only stage 3 "
                               "shards parameters); offload the optimizer with [offload.optimizer] instead",

@@ -38,6 +38,7 @@ class OffloadPath:
             self.unit_offsets.append(off)
             off += u.hi - u.lo
         self.staging: list[torch.Tensor] = []
+        self.events: dict[int, torch.cuda.Event] = {}
 
     # -- backward: one unit's reduced gradient -----------------------------------------
     def grad_ready(self, u, src: torch.Tensor, first_micro: bool) -> None:
@@ -73,37 +74,47 @@ class OffloadPath:
     # -- the step, sub-group by sub-group ---------------------------------------------
     def step(self, optimizer, ranges: list[tuple[int, int]]) -> None:
         groups = optimizer.param_groups
-        if len(groups) != len(ranges):
-            optimizer.step()
-            for a, b in ranges:
-                self.publish_range(a, b, 0)
-            return
-        try:
-            for k, (g, (a, b)) in enumerate(zip(groups, ranges)):
-                optimizer.param_groups = [g]      # step this sub-group only
+        masters = self.part.master_params()
+
+        def step_one(k: int) -> None:
+            optimizer.param_groups = [groups[k]]      # step this sub-group only
+            try:
                 optimizer.step()
-                self.publish_range(a, b, k)
-        finally:
-            optimizer.param_groups = groups
+            finally:
+                optimizer.param_groups = groups
+            self.publish(masters[k], ranges[k][0], k)
+
+        if self.part.swap is not None:
+            self.part.swap.step(optimizer, step_one, self.publish_done)
+        else:
+            for k in range(len(ranges)):
+                step_one(k)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
 
     def _staging(self, k: int, n: int) -> torch.Tensor:
-        size = max(r[1] - r[0] for r in self.part.sub_group_ranges)
+        size = max(b - a for a, b in self.part.sub_group_ranges)
         while len(self.staging) < 2:
             self.staging.append(torch.empty(size, dtype=torch.float32, device=self.device))
         return self.staging[k % 2][:n]
 
-    def publish_range(self, a: int, b: int, k: int) -> None:
-        """Master elements [a, b) into the model-dtype shards of the units they belong to."""
-        master = self.part.master_flat[a:b]
+    def publish(self, master: torch.Tensor, a: int, k: int) -> None:
+        """Master elements [a, a + numel) into the model-dtype shards of their units."""
+        b = a + master.numel()
         if self.cuda and self.part.units[0].shard.device.type == "cuda":
             with torch.cuda.stream(self.h2d):
                 src = self._staging(k, b - a)
                 src.copy_(master, non_blocking=True)
                 self._scatter(src, a, b)
+                self.events[k] = self.h2d.record_event()
         else:
             self._scatter(master, a, b)
+
+    def publish_done(self, k: int) -> None:
+        """Block until sub-group k's upload no longer reads its host master."""
+        event = self.events.pop(k, None)
+        if event is not None:
+            event.synchronize()
 
     def _scatter(self, src: torch.Tensor, a: int, b: int) -> None:
         for u, off in zip(self.part.units, self.unit_offsets):

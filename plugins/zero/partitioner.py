@@ -61,9 +61,14 @@ class FlatPartitioner(Partitioner):
         self.unit_of = {p: u for u in self.units for p in u.params}
         self._make_masters()
         self.offload = None
+        self.swap = None
         if self.offloaded:
             from .offload_path import OffloadPath
             self.offload = OffloadPath(self)
+        if getattr(self.offload_optimizer, "swaps_states", False):
+            from .swap import SubGroupSwap
+            self.swap = SubGroupSwap(self, self.offload_optimizer)
+            self.swap.swap_out_all()        # the masters start on NVMe
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
 
@@ -113,6 +118,8 @@ class FlatPartitioner(Partitioner):
             self._master_list = [u.master for u in self.units]
             return
         total = sum(u.hi - u.lo for u in self.units)
+        if getattr(tier, "swaps_states", False):
+            return self._make_swapped_masters(tier, total)
         # fp32 master + fp32 gradient here, and Adam's two fp32 moments created beside them
         tier.plan(16 * total, f"{total:,} fp32 master elements: master 4 + gradient 4 + "
                               f"optimizer states 8 bytes each")
@@ -127,11 +134,63 @@ class FlatPartitioner(Partitioner):
             u.master.grad = self.master_grad_flat[off:off + n]
             off += n
         self._master_list = []
-        self.sub_group_ranges = sub_group_ranges(total, self.options.sub_group_size)
+        self.sub_group_ranges = (self._unit_aligned_ranges() if self.offloaded
+                                 else sub_group_ranges(total, self.options.sub_group_size))
         for a, b in self.sub_group_ranges:
             t = self.master_flat[a:b]
             t.grad = self.master_grad_flat[a:b]
             self._master_list.append(t)
+
+    def _unit_groups(self) -> list[list[Unit]]:
+        """Offloaded sub-groups: consecutive whole units up to sub_group_size elements (a
+        larger unit is a sub-group of its own), the same for every tier, so that moving
+        the optimizer between tiers changes no arithmetic."""
+        groups, cur, n = [], [], 0
+        for u in self.units:
+            size = u.hi - u.lo
+            if cur and n + size > self.options.sub_group_size:
+                groups.append(cur)
+                cur, n = [], 0
+            cur.append(u)
+            n += size
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _unit_aligned_ranges(self) -> list[tuple[int, int]]:
+        out, off = [], 0
+        for g in self._unit_groups():
+            size = sum(u.hi - u.lo for u in g)
+            out.append((off, off + size))
+            off += size
+        return out
+
+    def _make_swapped_masters(self, tier, total: int) -> None:
+        """Sub-groups of whole units, each master its own tensor, so each can be swapped
+        out (storage freed) while the others stay; the gradient shard is one flat buffer."""
+        groups = self._unit_groups()
+        largest = max(sum(u.hi - u.lo for u in g) for g in groups)
+        # master, m and v of every element in files; masters staged one sub-group at a time
+        tier.plan_swap(12 * total, largest, element_size=4, num_files=3 * len(groups))
+        tier.plan(4 * total + 3 * 12 * largest, "the fp32 gradient shard and 3 staged sub-groups")
+        self.master_flat = None
+        self.master_grad_flat = tier.empty(total, torch.float32)
+        self.master_grad_flat.zero_()
+        self._master_list, self.sub_group_ranges, off = [], [], 0
+        for g in groups:
+            size = sum(u.hi - u.lo for u in g)
+            t = tier.empty(size, torch.float32)
+            t.grad = self.master_grad_flat[off:off + size]
+            pos = 0
+            for u in g:
+                k = u.hi - u.lo
+                u.master = t[pos:pos + k]
+                u.master.copy_(u.shard)
+                u.master.grad = t.grad[pos:pos + k]
+                pos += k
+            self._master_list.append(t)
+            self.sub_group_ranges.append((off, off + size))
+            off += size
 
     def master_params(self):
         return self._master_list
@@ -290,7 +349,7 @@ class FlatPartitioner(Partitioner):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         out = {"lp_params": [u.full for u in self.units] + [u.shard for u in self.units if u.sharded_params],
                "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
-               "hp_params": [] if self.alias else [self.master_flat],
+               "hp_params": [] if self.alias else list(self._master_list),
                "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads
                             else [] if self.alias else [self.master_grad_flat])}
         return out
@@ -298,11 +357,19 @@ class FlatPartitioner(Partitioner):
     def checkpoint_state(self, optimizer=None) -> dict:
         """This rank's world-size-independent checkpoint part (see checkpointing.py)."""
         from .checkpointing import export_state
-        return export_state(self, optimizer)
+        if self.swap is None:
+            return export_state(self, optimizer)
+        # Note: swapped states are brought in for the export and copied, because the
+        # exported pieces would otherwise point into storages freed again right after.
+        with self.swap.all_resident(optimizer, dirty=False):
+            return _copy_tensors(export_state(self, optimizer))
 
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         from .checkpointing import import_state
-        import_state(self, states, optimizer, **flags)
+        if self.swap is None:
+            return import_state(self, states, optimizer, **flags)
+        with self.swap.all_resident(optimizer, dirty=True):
+            import_state(self, states, optimizer, **flags)
 
     @classmethod
     def construction_context(cls, options, run, precision):
@@ -317,6 +384,16 @@ class FlatPartitioner(Partitioner):
             if given:
                 logging.getLogger("zeroplug").warning(
                     "[zeroplug] zero.%s applies to stage 3 only; %s ignores it", given[0], choice.name)
+
+
+def _copy_tensors(obj):
+    if torch.is_tensor(obj):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _copy_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_tensors(v) for v in obj)
+    return obj
 
 
 class Stage0(FlatPartitioner):

@@ -1,0 +1,133 @@
+"""Sub-group states in swap files between optimizer steps (the nvme offload tier).
+
+Each sub-group's fp32 master and its elementwise optimizer states (Adam's m and v)
+are written to the tier's swapper after the sub-group steps, and their storages are
+resized to 0 bytes; before the next step they are resized and read back. Tensor
+objects never change, so the optimizer's state dict and every view stay valid.
+
+Note: the fp32 gradient shard stays in host memory: it is written by the D2H copies
+during backward in pieces that do not follow sub-groups, and swapping it would add a
+write and a read of 4 bytes per element to every step.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def _elementwise(v, t) -> bool:
+    return torch.is_tensor(v) and v.shape == t.shape
+
+
+class SubGroupSwap:
+    def __init__(self, part, tier):
+        self.part, self.tier = part, tier
+        self.swapper = tier.swapper
+        self.masters = part.master_params()
+        self.optimizer = None             # known once the engine has built it
+        self.out: dict[int, list] = {}    # k -> futures of writes in flight
+        self.inn: dict[int, list] = {}    # k -> futures of reads in flight
+        self.swapped: set[int] = set()    # sub-groups whose storages are freed
+
+    def tensors(self, k: int) -> list[tuple[str, torch.Tensor]]:
+        t = self.masters[k]
+        out = [("master", t)]
+        st = self.optimizer.state.get(t, {}) if self.optimizer is not None else {}
+        out += [(name, v) for name, v in sorted(st.items()) if _elementwise(v, t)]
+        return out
+
+    # -- out -------------------------------------------------------------------------
+    def start_out(self, k: int, dirty: bool = True) -> None:
+        if dirty:
+            self.out[k] = [self.swapper.write((k, name), t) for name, t in self.tensors(k)]
+        else:
+            self.out[k] = []
+
+    def finish_out(self, k: int) -> None:
+        for f in self.out.pop(k, []):
+            f.wait()
+        for _, t in self.tensors(k):
+            t.untyped_storage().resize_(0)
+        self.swapped.add(k)
+
+    # -- in --------------------------------------------------------------------------
+    def start_in(self, k: int) -> None:
+        if k not in self.swapped or k in self.inn:
+            return
+        futures = []
+        for name, t in self.tensors(k):
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            futures.append(self.swapper.read((k, name), t))
+        self.inn[k] = futures
+
+    def finish_in(self, k: int) -> None:
+        self.start_in(k)
+        for f in self.inn.pop(k, []):
+            f.wait()
+        self.swapped.discard(k)
+
+    def swap_out_all(self) -> None:
+        for k in range(len(self.masters)):
+            if k not in self.swapped:
+                self.start_out(k)
+                self.finish_out(k)
+
+    @contextmanager
+    def all_resident(self, optimizer, dirty: bool):
+        """Every sub-group in memory for the block (checkpoint save / load), then back out."""
+        if optimizer is not None:
+            self.optimizer = optimizer
+        was_out = sorted(self.swapped)
+        for k in was_out:
+            self.start_in(k)
+        for k in was_out:
+            self.finish_in(k)
+        try:
+            yield
+        finally:
+            # states a load created (optimizer moments) are written out too
+            for k in range(len(self.masters)):
+                if k in was_out or dirty:
+                    self.start_out(k, dirty=dirty or k in was_out and self._new_states(k))
+                    self.finish_out(k)
+
+    def _new_states(self, k: int) -> bool:
+        return any(not self.swapper_has((k, name)) for name, _ in self.tensors(k))
+
+    def swapper_has(self, key) -> bool:
+        return key in set(self.swapper.keys())
+
+    @contextmanager
+    def resident(self, k: int, dirty: bool = False):
+        """Sub-group ``k``'s states in memory for the block; written back after it if
+        ``dirty``. At most one sub-group is brought in this way at a time."""
+        was_out = k in self.swapped
+        self.finish_in(k)
+        try:
+            yield self.masters[k]
+        finally:
+            if was_out:
+                self.start_out(k, dirty=dirty)
+                self.finish_out(k)
+
+    # -- the pipelined step --------------------------------------------------------------
+    def step(self, optimizer, step_one, publish_done) -> None:
+        """``step_one(k)`` steps and publishes sub-group k; ``publish_done(k)`` waits until
+        the published copy no longer reads the master (H2D on a stream)."""
+        self.optimizer = optimizer
+        o = self.tier.options
+        n = len(self.masters)
+        for k in range(n):
+            self.finish_in(k)
+            if o.pipeline_read and k + 1 < n:
+                self.start_in(k + 1)           # read k+1 while k steps
+            step_one(k)
+            publish_done(k)
+            self.start_out(k)
+            if not o.pipeline_write:
+                self.finish_out(k)
+            elif k > 0:
+                self.finish_out(k - 1)         # k-1's write ran while k stepped
+        if n and o.pipeline_write:
+            self.finish_out(n - 1)
