@@ -6,6 +6,7 @@ import torch
 import zeroplug
 from distributed import run_ranks
 from toy import ToyNet, batches
+from toy import train_steps as _train
 
 STATES = ["optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"]
 
@@ -14,17 +15,6 @@ def _cfg(stage, prec="bf16"):
     return {"zero": {"plugin": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
             "precision": {"plugin": prec}, "optimizer": {"plugin": "adamw", "lr": 1e-2},
             "monitor": {"plugin": "none"}}
-
-
-def _train(engine, data, n):
-    out = []
-    for _ in range(n):
-        x, y = next(data)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
 
 
 def _snapshot(engine):

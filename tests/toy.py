@@ -75,3 +75,15 @@ def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_in
         engine.run.comm.all_reduce(t)
         losses.append(t.item() / world)
     return losses, engine
+
+
+def train_steps(engine, data, n):
+    """``n`` optimizer steps on batches from ``data``; the losses."""
+    out = []
+    for _ in range(n):
+        x, y = next(data)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out

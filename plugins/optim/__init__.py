@@ -30,11 +30,15 @@ def _kernel_flags(implementation: str, device: torch.device) -> dict:
 
 
 @dataclass(frozen=True)
-class AdamOptions:
+class AdamBaseOptions:
     lr: float = opt(1e-3, "Learning rate (the peak, when a schedule warms up to it).", min=0.0)
     betas: tuple[float, float] = opt((0.9, 0.999), "Adam's (beta1, beta2).", min=0.0, max=1.0)
     eps: float = opt(1e-8, "Added to the denominator for stability.", min=0.0)
-    weight_decay: float = opt(0.0, "Weight decay (decoupled for adamw, L2 for adam).", min=0.0)
+    weight_decay: float = opt(0.0, "Weight decay (decoupled for adamw and adamw_mode, else L2).", min=0.0)
+
+
+@dataclass(frozen=True)
+class AdamOptions(AdamBaseOptions):
     amsgrad: bool = opt(False, "Use the AMSGrad variant (GPU kernels only).")
     implementation: Literal["auto", "fused", "foreach"] = opt("auto", IMPLEMENTATION_HELP)
 
@@ -56,11 +60,7 @@ class Adam(AdamW):
 
 
 @dataclass(frozen=True)
-class CPUAdamOptions:
-    lr: float = opt(1e-3, "Learning rate.", min=0.0)
-    betas: tuple[float, float] = opt((0.9, 0.999), "Adam's (beta1, beta2).", min=0.0, max=1.0)
-    eps: float = opt(1e-8, "Added to the denominator for stability.", min=0.0)
-    weight_decay: float = opt(0.0, "Weight decay.", min=0.0)
+class CPUAdamOptions(AdamBaseOptions):
     adamw_mode: bool = opt(True, "true: decoupled weight decay (AdamW); false: L2 (Adam).")
     bias_correction: bool = opt(True, "Apply Adam's bias correction.")
     amsgrad: bool = opt(False, "Not implemented by cpu_adam: setting it true is an error.")
