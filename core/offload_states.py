@@ -11,6 +11,7 @@ re-wired after a reload, and a reload restores bit-identical bytes.
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import os
 import shutil
@@ -48,6 +49,14 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def _host_buffer(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor as a buffer for file I/O.
+
+    Note: through ctypes rather than ``.numpy()``, which would need numpy and would fix
+    the storage's size for good (it could no longer be resized to 0)."""
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
 class StateMover:
     """Remembers where each moved storage's bytes are."""
 
@@ -83,8 +92,7 @@ class StateMover:
                 path = os.path.join(self.dir, f"{key:x}.bin")
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "wb") as f:
-                    # Note: a copy, because .numpy() would pin the storage's size for good
-                    f.write(memoryview(src.to("cpu", copy=True).numpy()))
+                    f.write(_host_buffer(src if src.device.type == "cpu" else src.cpu()))
                 where = path
             else:
                 pin = pin_memory and torch.cuda.is_available()
@@ -101,9 +109,13 @@ class StateMover:
             s.resize_(nbytes)
             dst = _bytes_view(s)
             if isinstance(where, str):
+                host = dst if dst.device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8)
                 with open(where, "rb") as f:
-                    data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
-                dst.copy_(data)
+                    if f.readinto(_host_buffer(host)) != nbytes:
+                        raise ZeroplugError(f"reload_states: {where} is shorter than the {nbytes} bytes "
+                                            f"written; the state file was changed or truncated")
+                if host is not dst:
+                    dst.copy_(host)
                 os.unlink(where)
             else:
                 dst.copy_(where, non_blocking=non_blocking and where.is_pinned())

@@ -32,9 +32,15 @@ def _worker(rank, world, port, fn, args, outdir):
     finally:
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
-    # Note: the result is safe on disk; leave without tearing gloo down, whose background
-    # threads have (rarely) aborted the process at exit ("terminate called without an
-    # active exception"), failing a run that had passed.
+    # Note: the result is safe on disk. Every rank first waits for the others (a rank
+    # that left early would reset connections its peers still read from), then leaves
+    # without tearing gloo down, whose background threads have (rarely) aborted the
+    # process at exit ("terminate called without an active exception").
+    if dist.is_initialized() and result and result[0] == "ok":
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass
     os._exit(0)
 
 
