@@ -121,4 +121,9 @@ class OffloadPath:
             n = u.hi - u.lo
             x, y = max(a, off), min(b, off + n)
             if x < y:
-                u.shard[x - off:y - off].copy_(src[x - a:y - a])
+                pswap = getattr(self.part, "pswap", None)
+                if pswap is None:
+                    u.shard[x - off:y - off].copy_(src[x - a:y - a])
+                    continue
+                with pswap.writing(u):      # a shard on NVMe: fill a host copy, write it back
+                    u.shard[x - off:y - off].copy_(src[x - a:y - a])

@@ -56,6 +56,11 @@ class Stage3(Stage2):
         self.trace_cur: list[int] = []
         self._callback_queued = False
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
+        self.pswap = None
+        if getattr(offload_param, "swaps_states", False):
+            from .param_swap import ParamSwap
+            self.pswap = ParamSwap(self, offload_param)
+            self.pswap.place(self.units)
         if self.layout_world == 1 and not self.params_offloaded:
             return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
         for m in module.modules():
@@ -137,9 +142,19 @@ class Stage3(Stage2):
             self.trace_prev, self.trace_cur = self.trace_cur, []
         self.release_all()
 
+    def _start(self, u: Unit) -> None:
+        if self.pswap is not None:
+            self.pswap.ensure(u)
+        u.start_gather(self.comm, self.upload)
+
+    def _release(self, u: Unit) -> None:
+        u.release()
+        if self.pswap is not None and u.state == FREE:
+            self.pswap.drop(u)
+
     def _fetch(self, u: Unit) -> None:
         if u.state == FREE:
-            u.start_gather(self.comm, self.upload)
+            self._start(u)
         u.wait_gather()
 
     def _prefetch(self, order: list[int], start: int) -> None:
@@ -158,7 +173,10 @@ class Stage3(Stage2):
             if over or live + u.numel > self.options.stage3_max_live_parameters:
                 break
             first = False
-            u.start_gather(self.comm, self.upload)
+            if self.pswap is not None and u.index in self.pswap.on_nvme:
+                self.pswap.start_read(u)        # read ahead; uploaded when it is needed
+            else:
+                u.start_gather(self.comm, self.upload)
             self.prefetch_count += 1
             budget -= u.numel
             live += u.numel
@@ -188,7 +206,7 @@ class Stage3(Stage2):
             return      # activation-checkpoint recompute: the backward that follows needs them
         for u in units:
             if not self._reused_soon(u):
-                u.release()
+                self._release(u)
 
     def _end_forward(self, module, args, output) -> None:
         """The root module's forward returned: with no backward to follow (no_grad, eval),
@@ -218,7 +236,7 @@ class Stage3(Stage2):
                 self._prefetch(order, order.index(u.index))
 
     def _after_reduce(self, u: Unit) -> None:
-        u.release()
+        self._release(u)
 
     def _end_backward(self) -> None:
         self._callback_queued = False
@@ -226,7 +244,7 @@ class Stage3(Stage2):
 
     def release_all(self) -> None:
         for u in self.units:
-            u.release()
+            self._release(u)
 
     # -- after the optimizer ------------------------------------------------------------
     def _gather_after_step(self) -> None:
@@ -237,11 +255,24 @@ class Stage3(Stage2):
             for h in handles:
                 h.wait()
 
+    def checkpoint_state(self, optimizer=None) -> dict:
+        if self.pswap is None:
+            return super().checkpoint_state(optimizer)
+        from .partitioner import _copy_tensors
+        with self.pswap.all_in(write_back=False):     # parameter shards read from their files
+            return _copy_tensors(super().checkpoint_state(optimizer))
+
+    def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
+        if self.pswap is None:
+            return super().load_checkpoint_state(states, optimizer, **flags)
+        with self.pswap.all_in(write_back=True):
+            super().load_checkpoint_state(states, optimizer, **flags)
+
     @contextmanager
     def gathered_params(self):
         for u in self.units:
             if u.state == FREE:
-                u.start_gather(self.comm, self.upload)
+                self._start(u)
         for u in self.units:
             u.wait_gather()
         try:

@@ -89,10 +89,11 @@ class Unit:
                     if comm.world_size == 1:
                         self.full.copy_(src, non_blocking=True)
                         self.full.record_stream(upload)
-                        event = upload.record_event()
-                        return _EventHandle(event, self.full.device)
+                        self.upload_event = upload.record_event()
+                        return _EventHandle(self.upload_event, self.full.device)
                     src = src.to(self.full.device, non_blocking=True)
                     src.record_stream(upload)
+                    self.upload_event = upload.record_event()
                 cur.wait_stream(upload)
         return comm.all_gather(self.full, src, async_op=True)
 
