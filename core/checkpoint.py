@@ -6,6 +6,10 @@ A checkpoint directory::
     <dir>/<tag>/manifest.json    format, counters, the model's parameter names / shapes / dtype,
                                  each file's size and sha256 (and its own checksum)
     <dir>/<tag>/rank_00000.pt    one file per rank (``torch.save``; read with ``weights_only=True``)
+    <dir>/<tag>/rank_00000.sg00003.pt
+                                 part files of a rank (format version 2): states written one
+                                 sub-group at a time (the nvme tier streams them from its swap
+                                 files); listed in the manifest with "part" (and size, sha256)
 
 Saving: rank 0 creates ``<dir>/.tmp-<tag>-<random>`` and broadcasts its name; every rank
 writes and fsyncs its file there (hashing the bytes as they are written); the ranks
@@ -36,18 +40,29 @@ Pieces are written as zero-copy views whose storage is exactly the piece (DLPack
 save needs no second copy of the states and each file holds only what its rank owns.
 Loading memory-maps one rank file at a time; each loading rank copies out the pieces
 that intersect what it owns now, whatever the world size that wrote them.
+
+Part files (version 2): a piece may carry ``"part": "rank_00000.sg00003.pt"`` instead of
+its "master" / "optim" tensors; that file (``format``, ``version``, ``rank``, ``part``,
+``pieces``) holds, under the same name and [start, end), a piece with exactly those
+tensors. The partitioner writes part files through the :class:`PartWriter` that
+``checkpoint_state(optimizer, parts=...)`` receives; :meth:`ShardSet.piece_states`
+resolves a piece either way. Checkpoints without part files are written as version 1.
 """
 from __future__ import annotations
 
+import contextvars
 import hashlib
+import inspect
 import json
 import logging
 import os
 import random
+import re
 import secrets
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -57,7 +72,7 @@ from .errors import ZeroplugError
 log = logging.getLogger("zeroplug")
 
 FORMAT = "zeroplug-checkpoint"
-VERSION = 1
+VERSION = 2             # the newest format this reads; a save without part files writes version 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -158,6 +173,51 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+def part_file_name(rank: int, label: str) -> str:
+    return f"rank_{rank:05d}.{label}.pt"
+
+
+_LABEL = re.compile(r"^[a-z][a-z0-9]{0,31}$")
+
+
+class PartWriter:
+    """Writes a rank's part files into the checkpoint being saved (each fsynced and hashed as
+    it is written), so that a partitioner can stream states that are not all in memory."""
+
+    def __init__(self, directory: Path, rank: int):
+        self.directory, self.rank = Path(directory), rank
+        self.written: list[dict] = []       # {"file", "part", "size", "sha256"}
+
+    def write(self, label: str, pieces: dict) -> str:
+        """Write ``pieces`` ({param name: [piece, ...]}) as part ``label`` (e.g. "sg00003");
+        returns the file name, which the rank file's pieces name under "part"."""
+        if not _LABEL.match(label) or any(w["part"] == label for w in self.written):
+            raise CheckpointError(f"part label {label!r}: use a new lower-case alphanumeric name")
+        name = part_file_name(self.rank, label)
+        obj = {"format": FORMAT, "version": VERSION, "rank": self.rank, "part": label, "pieces": pieces}
+        size, digest = write_torch_file(obj, self.directory / name)
+        self.written.append({"file": name, "part": label, "size": size, "sha256": digest})
+        return name
+
+
+_ACTIVE_PARTS: contextvars.ContextVar[PartWriter | None] = contextvars.ContextVar("zeroplug_parts", default=None)
+
+
+def active_part_writer() -> PartWriter | None:
+    """The :class:`PartWriter` of the save in progress (None outside one): for a
+    partitioner reached through a subclass's ``checkpoint_state`` that does not pass
+    ``parts`` on."""
+    return _ACTIVE_PARTS.get()
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def piece_view(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t``'s memory whose storage is exactly ``t`` (no copy), so that
     ``torch.save`` writes only these elements rather than the whole underlying buffer."""
@@ -206,22 +266,11 @@ def set_rng_states(st: dict) -> None:
 # --- collectives (no-ops on one rank) --------------------------------------------------
 
 def _broadcast(comm, obj):
-    if not comm.distributed:
-        return obj
-    import torch.distributed as dist
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, 0) if comm.group else 0,
-                               group=comm.group)
-    return box[0]
+    return comm.broadcast_object(obj, src=0)
 
 
 def _all_gather(comm, obj) -> list:
-    if not comm.distributed:
-        return [obj]
-    import torch.distributed as dist
-    out = [None] * comm.world_size
-    dist.all_gather_object(out, obj, group=comm.group)
-    return out
+    return comm.all_gather_object(obj)
 
 
 # --- client state --------------------------------------------------------------------
@@ -264,7 +313,7 @@ def _partitioner_call(engine, name):
     return fn
 
 
-def _rank_state(engine, client_state) -> dict:
+def _rank_state(engine, client_state, parts: PartWriter | None = None) -> dict:
     _check_plain(client_state, "client_state")
     extras = {}
     for d in engine.hook.zeroplug_checkpoint_state_save(engine=engine) or []:
@@ -272,15 +321,23 @@ def _rank_state(engine, client_state) -> dict:
             extras.update(d)
     _check_plain(extras, "zeroplug_checkpoint_state_save")
     run = engine.run
+    export = _partitioner_call(engine, "checkpoint_state")
+    token = _ACTIVE_PARTS.set(parts)
+    try:
+        model = export(engine.optimizer, parts=parts) if parts is not None and _accepts(export, "parts") \
+            else export(engine.optimizer)
+    finally:
+        _ACTIVE_PARTS.reset(token)
     return {
-        "format": FORMAT, "version": VERSION, "rank": run.rank, "world_size": run.world_size,
+        "format": FORMAT, "version": 2 if parts is not None and parts.written else 1,
+        "rank": run.rank, "world_size": run.world_size,
         "counters": {"global_step": engine.global_step, "micro_step": engine.micro_step,
                      "skipped_steps": engine.skipped_steps, "lr_step": engine.lr_step},
         "precision": engine.precision.state_dict(),
         "rng": rng_states(),
         "client_state": client_state,
         "plugins": extras,
-        "model": _partitioner_call(engine, "checkpoint_state")(engine.optimizer),
+        "model": model,
     }
 
 
@@ -374,11 +431,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     fname = rank_file_name(rank)
     meta, failure = None, None
     try:
-        state = _rank_state(engine, client_state)
+        parts = PartWriter(tmp, rank)
+        state = _rank_state(engine, client_state, parts)
         meta = state["model"].pop("meta", None)
         size, digest = write_torch_file(state, tmp / fname)
         del state
-        report = {"rank": rank, "file": fname, "size": size, "sha256": digest, "error": None}
+        report = {"rank": rank, "file": fname, "size": size, "sha256": digest, "parts": parts.written,
+                  "error": None}
     except Exception as exc:    # every rank must reach the exchange below, or the others hang
         failure = exc
         report = {"rank": rank, "file": fname, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
@@ -394,12 +453,17 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     status = None
     if rank == 0:
         try:
+            files = {r["file"]: {"rank": r["rank"], "size": r["size"], "sha256": r["sha256"]} for r in reports}
+            for r in reports:
+                for w in r["parts"]:
+                    files[w["file"]] = {"rank": r["rank"], "part": w["part"], "size": w["size"],
+                                        "sha256": w["sha256"]}
             manifest = {
-                "format": FORMAT, "version": VERSION, "tag": tag, "created": time.time(),
+                "format": FORMAT, "version": 2 if any(r["parts"] for r in reports) else 1,
+                "tag": tag, "created": time.time(),
                 "global_step": engine.global_step, "world_size": comm.world_size,
                 "zero": engine.config.slot("zero").name, "precision": engine.config.slot("precision").name,
-                "files": {r["file"]: {"rank": r["rank"], "size": r["size"], "sha256": r["sha256"]}
-                          for r in reports},
+                "files": files,
                 "model": meta,
             }
             write_manifest(tmp, manifest)
@@ -489,13 +553,69 @@ def verify(path: Path, manifest: dict, comm=None) -> None:
 
 
 class ShardSet:
-    """The rank files of one verified checkpoint, read one at a time (memory-mapped)."""
+    """The rank files of one verified checkpoint, read one at a time (memory-mapped), and
+    their part files, opened (memory-mapped) when a piece names one."""
+
+    PARTS_OPEN = 1          # part files kept mapped for the pieces that follow
 
     def __init__(self, path: Path, manifest: dict):
         self.path, self.manifest = path, manifest
         self.meta = manifest["model"]
         self.world_size = int(manifest["world_size"])
-        self._by_rank = {e["rank"]: n for n, e in manifest["files"].items()}
+        self._by_rank = {e["rank"]: n for n, e in manifest["files"].items() if "part" not in e}
+        self._parts: OrderedDict[str, dict] = OrderedDict()
+        self._open: tuple[int, dict] | None = None
+
+    def piece_states(self, name: str, pc: dict) -> dict:
+        """The piece of parameter ``name`` that holds ``pc``'s "master" / "optim" tensors:
+        ``pc`` itself, or its copy in the part file it names."""
+        ref = pc.get("part")
+        if ref is None:
+            return pc
+        index = self._part(ref)
+        found = index.get((name, pc["start"], pc["end"]))
+        if found is None:
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: part file {ref} has no piece "
+                                  f"[{pc['start']}, {pc['end']}) of {name!r}")
+        return found
+
+    def _part(self, ref) -> dict:
+        hit = self._parts.get(ref)
+        if hit is not None:
+            self._parts.move_to_end(ref)
+            return hit
+        entry = self.manifest["files"].get(ref) if isinstance(ref, str) else None
+        if entry is None or "part" not in entry:
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: a piece names the part file {ref!r}, "
+                                  f"which {MANIFEST} does not list")
+        try:
+            obj = load(self.path / ref, mmap=True)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: file {ref} cannot be read: {exc}") from None
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT or not isinstance(obj.get("pieces"), dict):
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: file {ref} is not a zeroplug part file")
+        index = {(n, p["start"], p["end"]): p for n, ps in obj["pieces"].items() for p in ps}
+        self._parts[ref] = index
+        while len(self._parts) > self.PARTS_OPEN:
+            self._parts.popitem(last=False)
+        return index
+
+    def rank_piece(self, rank: int, name: str, i: int) -> dict:
+        """Piece ``i`` of parameter ``name`` in rank ``rank``'s file (the last file asked for
+        stays mapped, so that asking in rank order opens each file once)."""
+        if self._open is None or self._open[0] != rank:
+            self._open = None
+            self._open = (rank, self.load_rank(rank)["model"])
+        try:
+            return self._open[1]["pieces"][name][i]
+        except (KeyError, IndexError):
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: rank {rank}'s file has no piece {i} "
+                                  f"of {name!r}") from None
+
+    def release(self) -> None:
+        """Unmap the files still open."""
+        self._parts.clear()
+        self._open = None
 
     def load_rank(self, rank: int) -> dict:
         name = self._by_rank.get(rank)
@@ -509,12 +629,19 @@ class ShardSet:
             raise CheckpointError(f"checkpoint {str(self.path)!r}: file {name} is not a zeroplug rank file")
         return obj
 
-    def __iter__(self):
-        """Each rank file's ``model`` part; the previous one is released before the next is opened."""
+    def items(self):
+        """(rank, ``model`` part) of each rank file; the previous one is released before the
+        next is opened."""
         for r in sorted(self._by_rank):
             obj = self.load_rank(r)
             model = obj["model"]
             del obj
+            yield r, model
+            del model
+
+    def __iter__(self):
+        """Each rank file's ``model`` part, one at a time (see :meth:`items`)."""
+        for _, model in self.items():
             yield model
             del model
 
@@ -532,6 +659,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     _partitioner_call(engine, "load_checkpoint_state")(
         shards, optimizer=engine.optimizer, load_master=not load_module_only,
         load_optimizer_states=load_optimizer_states and not load_module_only)
+    shards.release()
     rank = comm.rank
     own = shards.load_rank(rank if rank < shards.world_size else 0)
     if not load_module_only:
@@ -628,4 +756,4 @@ def export(load_dir, out_path, tag=None) -> str:
 
 
 __all__ = ["CheckpointError", "atomic_torch_save", "load", "save_checkpoint", "load_checkpoint",
-           "consolidate", "export", "prune", "resolve", "verify", "ShardSet"]
+           "consolidate", "export", "prune", "resolve", "verify", "ShardSet", "PartWriter"]

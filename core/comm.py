@@ -8,6 +8,7 @@ overlap compute on GPU; gloo runs them on its own threads on CPU.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -74,6 +75,37 @@ class Comm:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
+
+    # Note: torch's broadcast_object_list / all_gather_object go through numpy, which a
+    # fresh install may lack; pickled bytes in a uint8 tensor need nothing more.
+    def _wire(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast_object(self, obj, src: int = 0):
+        """``obj`` from rank ``src`` (a rank in this group) on every rank."""
+        if not self.distributed:
+            return obj
+        import pickle
+        dev = self._wire()
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        self.broadcast(size, src=self._global(src))
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if self.rank == src
+               else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
+        self.broadcast(buf, src=self._global(src))
+        if self.rank == src:
+            return obj
+        host = buf.cpu()
+        return pickle.loads(ctypes.string_at(host.data_ptr(), host.numel()))
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, by rank."""
+        if not self.distributed:
+            return [obj]
+        return [self.broadcast_object(obj, src=r) for r in range(self.world_size)]
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def all_reduce_scalar(self, value: float, op=None) -> float:
         if not self.distributed:

@@ -54,11 +54,19 @@ def run_ranks(fn, world: int, *args):
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(_worker, args=(world, _free_port(), fn, args, outdir), nprocs=world,
                            start_method="spawn")
-        results = []
+        results, errors = [], []
         for r in range(world):
-            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
+            path = os.path.join(outdir, f"{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r} died without a result (killed or crashed)")
+                continue
+            with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status != "ok":
-                raise AssertionError(f"rank {r} failed:\n{value}")
+                errors.append(f"rank {r} failed:\n{value}")
             results.append(value)
+        if errors:
+            # a rank's own error first: the others often only saw their peer go away
+            errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
+            raise AssertionError("\n".join(errors))
         return results

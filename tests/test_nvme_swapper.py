@@ -438,7 +438,7 @@ def test_tier_options_and_lifecycle(tmp_path, caplog):
     o = cfg.slot("offload.optimizer").options
     # the [offload.param] table validates, though training does not use it yet (the tier rejects it)
     p = build_options(NVMeOptions, {"nvme_path": str(tmp_path)}, "offload.param").resolved("param")
-    with pytest.raises(ConfigError, match="not wired into training yet"):
+    with pytest.raises(ConfigError, match="needs the optimizer offloaded too"):
         load({"zero": {"plugin": "stage3"}, "offload": {"param": {"plugin": "nvme", "nvme_path": str(tmp_path)}}})
     assert (o.buffer_count, o.pipeline_read, o.fast_init, o.thread_count) == (4, True, False, 2)
     assert (p.buffer_count, p.buffer_size, p.max_in_cpu) == (5, 10**8, 10**9)
