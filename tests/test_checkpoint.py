@@ -5,7 +5,7 @@ tier; any world size on load (N ranks -> M ranks); a consolidated export that pl
 PyTorch reads; keep_last; load_module_only / load_optimizer_states.
 
 Run as a script (``python test_checkpoint.py train|resume ROOT STEPS``) it is the child
-process of the SIGKILL tests: it trains every config of ``KILL_CONFIGS`` one step at a
+process of the SIGKILL tests: it trains every config of ``kill_configs`` one step at a
 time, checkpointing each after every step, and prints each loss as it goes.
 """
 from __future__ import annotations
@@ -74,6 +74,17 @@ CONFIGS = {
     "stage3_bf16": cfg(3, precision={"plugin": "bf16"}),
     "stage1_fp16": cfg(1, precision=FP16),
 }
+
+
+def nvme(swap_dir) -> dict:
+    """The optimizer on "NVMe": swap files under ``swap_dir`` (which must exist)."""
+    return {"optimizer": {"plugin": "nvme", "nvme_path": str(swap_dir), "buffer_count": 2}}
+
+
+def kill_configs(swap_dir) -> dict:
+    """The configs of the SIGKILL tests: CONFIGS and the nvme tier (stages 2 and 3)."""
+    return dict(CONFIGS, stage2_nvme=cfg(2, offload=nvme(swap_dir)),
+                stage3_nvme=cfg(3, precision={"plugin": "bf16"}, offload=nvme(swap_dir)))
 
 
 def batch(step, micro, world=1, rank=0, global_batch=8):
@@ -164,13 +175,17 @@ def _child(mode: str, root: Path, steps: int, die_in_save: int | None = None) ->
     # Note: the configs take turns in one process; each keeps its own torch RNG state (the
     # dropout masks), swapped in around its steps, as if each ran in a process of its own.
     engines, start, rng = {}, {}, {}
-    for name, c in CONFIGS.items():
+    swap = root / "swap"
+    swap.mkdir(exist_ok=True)
+    for name, c in kill_configs(swap).items():
         engines[name] = make(c, DropNet)
         start[name] = 0
         if mode == "resume":
             _, client = engines[name].load_checkpoint(root / name)
             start[name] = client["data_pos"]
         rng[name] = torch.get_rng_state()
+    # the swap directories now: a killed run's are removed when the next one starts
+    print(json.dumps({"pid": os.getpid(), "swap": sorted(os.listdir(swap))}), flush=True)
     if die_in_save is not None:       # SIGKILL while the save of step `die_in_save` is half done
         orig = checkpoint.write_manifest
 
@@ -199,7 +214,7 @@ def _spawn(*args):
 def _losses(lines) -> dict:
     out: dict = {}
     for line in lines:
-        if line.startswith("{"):
+        if line.startswith('{"cfg"'):
             d = json.loads(line)
             out.setdefault(d["cfg"], {})[d["step"]] = float.fromhex(d["loss"])
     return out
@@ -221,15 +236,28 @@ def test_sigkill_at_random_step_then_resume_exact(tmp_path):
             break
     child.wait()
     assert child.returncode == -signal.SIGKILL, child.stderr.read()
+    swap = tmp_path / "swap"
+    stale = sorted(os.listdir(swap))        # SIGKILL: no clean-up ran
+    assert len(stale) == 2 and all(f"-{child.pid}-" in d for d in stale), stale
     # the reference: the same training, uninterrupted, in this process
-    ref = {n: train(make(c, DropNet), range(steps)) for n, c in CONFIGS.items()}
-    for name in CONFIGS:
+    (tmp_path / "refswap").mkdir()
+    configs = kill_configs(tmp_path / "refswap")
+    ref = {}
+    for n, c in configs.items():
+        e = make(c, DropNet)
+        ref[n] = train(e, range(steps))
+        e.close()
+    for name in configs:
         assert (tmp_path / name / "latest").is_file()
     resumed = subprocess.run([sys.executable, str(HERE), "resume", str(tmp_path), str(steps)],
                              capture_output=True, text=True, cwd=HERE.parent)
     assert resumed.returncode == 0, resumed.stderr
+    at_start = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith('{"pid"')][0]
+    assert len(at_start["swap"]) == 2 and all(f"-{at_start['pid']}-" in d for d in at_start["swap"]), \
+        (at_start, stale)                   # the killed run's directories were removed at start
+    assert os.listdir(swap) == []           # and the resumed run's own at its exit
     before, after = _losses(seen), _losses(resumed.stdout.splitlines())
-    for name in CONFIGS:
+    for name in configs:
         got = after[name]
         first = min(got)
         assert first >= kill_after + 1, (name, first, seed)
@@ -464,12 +492,18 @@ def test_cli_export_and_train_resume(tmp_path, capsys):
 
 # --- any world size: N ranks -> M ranks ---------------------------------------------------------
 
-RESHAPE = ("stage0", "stage1", "stage2", "stage3", "stage2_cpu")
+RESHAPE = ("stage0", "stage1", "stage2", "stage3", "stage2_cpu", "stage2_nvme")
 K, C = 3, 3           # steps before the checkpoint, steps after it
 
 
-def _reshape_cfg(name, world):
-    return cfg(int(name[5]), world=world, offload=CPU) if name.endswith("_cpu") else cfg(int(name[5]), world=world)
+def _reshape_cfg(name, world, root):
+    if name.endswith("_cpu"):
+        return cfg(int(name[5]), world=world, offload=CPU)
+    if name.endswith("_nvme"):
+        swap = Path(root) / "swap"
+        swap.mkdir(exist_ok=True)
+        return cfg(int(name[5]), world=world, offload=nvme(swap))
+    return cfg(int(name[5]), world=world)
 
 
 def _reshape_worker(rank, world, root, loads):
@@ -479,7 +513,7 @@ def _reshape_worker(rank, world, root, loads):
     root = Path(root)
     out = {"ref": {}, "loaded": {}, "sd": {}}
     for name in RESHAPE:
-        c = _reshape_cfg(name, world)
+        c = _reshape_cfg(name, world, root)
         e = make(c)
         train(e, range(K), world, rank)
         e.save_checkpoint(root / name / f"w{world}", client_state={"rank": rank})
@@ -516,7 +550,14 @@ def test_reshape_any_world_size(tmp_path):
             assert list(sd) == list(res["sd"][name])
             assert all(torch.equal(sd[k], v) for k, v in res["sd"][name].items()), (name, world)
         files = sorted(p.name for p in (tmp_path / name / "w4" / f"global_step{K}").iterdir())
-        assert files == ["manifest.json"] + [f"rank_{r:05d}.pt" for r in range(4)]
+        ranks = ["manifest.json"] + [f"rank_{r:05d}.pt" for r in range(4)]
+        if name.endswith("_nvme"):      # and each rank's sub-groups in part files of their own
+            parts = [f for f in files if f not in ranks]
+            assert set(ranks) <= set(files) and {f[:10] for f in parts} == {f"rank_{r:05d}" for r in range(4)}
+            assert all(f[10:13] == ".sg" for f in parts), parts
+        else:
+            assert files == ranks
+    assert os.listdir(tmp_path / "swap") == []
 
 
 if __name__ == "__main__":

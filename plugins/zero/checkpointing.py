@@ -15,6 +15,17 @@ ranges that intersect what it owns now. The file layout is documented in
 Ranges are cut where optimizer tensors (sub-groups of ``sub_group_size``) end,
 so each saved range maps onto one master tensor and its states; every saved
 tensor is a zero-copy view of live memory (``piece_view``).
+
+The nvme tier (``part.swap``) keeps each sub-group's master and moments in swap
+files between steps. Saving brings one sub-group in at a time (read-only), writes
+its pieces' masters and optimizer states into a part file of their own
+(``rank_00000.sg00003.pt``; the rank file's pieces name it under "part") and frees
+it again, so a save needs about one sub-group's states of extra host memory, not
+a copy of all of them. Loading into the nvme tier first copies what lives in
+memory (model-dtype shards, scalars, extras) from every rank file, then brings one
+sub-group in at a time, fills its master and states from the pieces (in the rank
+files or their part files) that intersect it, publishes it and writes it back. A
+checkpoint with or without part files loads into every tier.
 """
 from __future__ import annotations
 
@@ -38,9 +49,13 @@ class Segment(NamedTuple):
     a: int               # [a, b): elements in the parameter's flattened numbering
     b: int
     lp: torch.Tensor     # the model-dtype values (a view of the unit's shard)
-    master: torch.Tensor  # the fp32 values (a view of the master)
     k: int               # index of the master tensor (in master_params()) holding them
     mloc: int            # offset of element ``a`` inside that master tensor
+
+    def master(self, masters) -> torch.Tensor:
+        """The fp32 values (a view of master ``k``; made on use, since a swapped-out
+        master has no memory to view)."""
+        return masters[self.k][self.mloc:self.mloc + (self.b - self.a)]
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -83,7 +98,8 @@ def checkpoint_meta(part) -> dict:
 
 
 def _storage_key(t: torch.Tensor):
-    return (t.device, t.untyped_storage().data_ptr())
+    # the storage object, not its address: swapped-out masters all have none
+    return (t.device, t.untyped_storage()._cdata)
 
 
 def segments(part) -> list[Segment]:
@@ -117,8 +133,7 @@ def segments(part) -> list[Segment]:
                 y = min(end, off + n)
                 s = a + (x - base - p0)
                 q = x - base
-                out.append(Segment(name, s, s + (y - x), u.shard[q:q + (y - x)],
-                                   u.master[q:q + (y - x)], k, x - off))
+                out.append(Segment(name, s, s + (y - x), u.shard[q:q + (y - x)], k, x - off))
                 x = y
                 j += 1
     return out
@@ -128,27 +143,51 @@ def _elementwise(v, t: torch.Tensor) -> bool:
     return torch.is_tensor(v) and v.shape == t.shape
 
 
-def export_state(part, optimizer=None) -> dict:
-    """This rank's part of a checkpoint (see the module docstring)."""
+def _piece_states(seg: Segment, masters, states, alias: bool) -> dict:
+    """Zero-copy views of a segment's fp32 master and element-wise optimizer states."""
+    t = masters[seg.k]
+    out = {}
+    if not alias:
+        out["master"] = piece_view(seg.master(masters))
+    st = states.get(t) or {}
+    n = seg.b - seg.a
+    opt = {key: piece_view(v.view(-1)[seg.mloc:seg.mloc + n]) for key, v in st.items() if _elementwise(v, t)}
+    if opt:
+        out["optim"] = opt
+    return out
+
+
+def export_state(part, optimizer=None, parts=None) -> dict:
+    """This rank's part of a checkpoint (see the module docstring). With ``part.swap``
+    (the nvme tier) and a ``parts`` writer (:class:`zeroplug.checkpoint.PartWriter`) the
+    masters and optimizer states stream into one part file per sub-group; without one
+    the caller must hold every sub-group resident for the call and while it uses the result."""
     run = part.run
     owner = run.rank == part.layout_rank        # stage 0: rank 0 writes the (replicated) state
     out = {"meta": checkpoint_meta(part) if run.rank == 0 else None, "pieces": {},
            "optim_scalars": {}, "optim_keys": {}, "optim_groups": [], "extras": {}}
     masters = part.master_params()
     states = optimizer.state if optimizer is not None else {}
+    swap = part.swap if parts is not None else None
     if owner:
+        by_k: dict[int, list[tuple[Segment, dict]]] = {}
         for seg in segments(part):
             pc = {"start": seg.a, "end": seg.b, "param": piece_view(seg.lp)}
-            if not part.alias:
-                pc["master"] = piece_view(seg.master)
-            t = masters[seg.k]
-            st = states.get(t) or {}
-            n = seg.b - seg.a
-            opt = {key: piece_view(v.view(-1)[seg.mloc:seg.mloc + n]) for key, v in st.items()
-                   if _elementwise(v, t)}
-            if opt:
-                pc["optim"] = opt
+            if swap is None:
+                pc.update(_piece_states(seg, masters, states, part.alias))
+            else:
+                by_k.setdefault(seg.k, []).append((seg, pc))
             out["pieces"].setdefault(seg.name, []).append(pc)
+        for k in sorted(by_k):       # one sub-group in memory at a time, straight into its file
+            with swap.resident(k, dirty=False, optimizer=optimizer):
+                pieces: dict[str, list] = {}
+                for seg, pc in by_k[k]:
+                    pieces.setdefault(seg.name, []).append(
+                        {"start": seg.a, "end": seg.b, **_piece_states(seg, masters, states, part.alias)})
+                name = parts.write(f"sg{k:05d}", pieces)
+                del pieces           # the views must not outlive the block (the storages go)
+            for _, pc in by_k[k]:
+                pc["part"] = name
         for t in masters:
             st = states.get(t) or {}
             if st:
@@ -190,7 +229,9 @@ def _check_model(saved: dict, mine: dict, where) -> None:
 def import_state(part, states, optimizer=None, load_master: bool = True,
                  load_optimizer_states: bool = True) -> None:
     """Load this rank's part from ``states`` (a :class:`zeroplug.checkpoint.ShardSet`: the
-    rank files' ``model`` parts, one at a time), whatever world size wrote them."""
+    rank files' ``model`` parts, one at a time), whatever world size wrote them. With
+    ``part.swap`` (the nvme tier) masters and optimizer states are filled one sub-group
+    at a time (see the module docstring)."""
     where = repr(str(getattr(states, "path", "")))
     _check_model(states.meta, checkpoint_meta(part), where)
     segs = segments(part)
@@ -198,58 +239,89 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
     for j, s in enumerate(segs):
         by_name.setdefault(s.name, []).append((j, s))
     masters = part.master_params()
+    swap = part.swap
     want_opt = load_optimizer_states and optimizer is not None
     filled = [0] * len(segs)
     new_state: list[dict] = [{} for _ in masters]
     opt_filled: dict[tuple[int, str], int] = {}
+    # swap: per sub-group, where its pieces are: (source, segment, name, start, end, x, y), where
+    # source is the part file's name or the piece's (rank, index) in its rank file (no tensors
+    # kept: the files are mapped again, one at a time, when the sub-group is in memory)
+    later: list[list] = [[] for _ in masters]
     scalars, keys, groups = None, {}, None
     live = part.module.state_dict(keep_vars=True)
+
+    def fill(seg, name, pc, x, y, st):
+        """Master and optimizer states of ``seg``'s elements [x, y) from piece ``pc``."""
+        src = slice(x - pc["start"], y - pc["start"])
+        d0 = x - seg.a
+        full = states.piece_states(name, pc) if load_master or want_opt else pc
+        if load_master and not part.alias:
+            val = full.get("master", pc.get("param"))
+            if val is None:
+                raise CheckpointError(f"checkpoint {where}: a piece of {name!r} has no values")
+            seg.master(masters)[d0:d0 + (y - x)].copy_(val[src])
+        if want_opt:
+            for key, t in full.get("optim", {}).items():
+                if key not in st:
+                    st[key] = _state_buffer(optimizer, masters[seg.k], key, t.dtype)
+                m0 = seg.mloc + d0
+                st[key][m0:m0 + (y - x)].copy_(t[src])
+                opt_filled[(seg.k, key)] = opt_filled.get((seg.k, key), 0) + (y - x)
+
+    def take(rank: int, model: dict) -> None:
+        """Everything of one rank file that this rank needs now (its locals, which hold
+        views of the mapped file, end with the call)."""
+        nonlocal scalars, keys, groups
+        if want_opt:
+            if scalars is None and model.get("optim_keys"):
+                scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in model["optim_scalars"].items()}
+                keys = dict(model["optim_keys"])
+            if groups is None and model.get("optim_groups"):
+                groups = model["optim_groups"]
+        for k, v in model.get("extras", {}).items():
+            dst = live[k]
+            if dst.shape != v.shape:
+                raise CheckpointError(f"checkpoint {where}: {k!r} has shape {tuple(v.shape)}, "
+                                      f"the model {tuple(dst.shape)}")
+            dst.data.copy_(v)
+        for name, pieces in model["pieces"].items():
+            for j, seg in by_name.get(name, ()):
+                for i, pc in enumerate(pieces):
+                    x, y = max(seg.a, pc["start"]), min(seg.b, pc["end"])
+                    if x >= y:
+                        continue
+                    src = slice(x - pc["start"], y - pc["start"])
+                    d0 = x - seg.a
+                    dst = slice(d0, d0 + (y - x))
+                    if part.alias:     # one tensor: prefer exact fp32 masters when saved
+                        val = pc["param"]
+                        if load_master:
+                            val = states.piece_states(name, pc).get("master", val)
+                        seg.lp[dst].copy_(val[src])
+                    else:
+                        seg.lp[dst].copy_(pc["param"][src])
+                    filled[j] += y - x
+                    if swap is not None:           # the masters are in swap files: later
+                        ref = pc.get("part")
+                        source = (0, ref, 0) if isinstance(ref, str) else (1, rank, i)
+                        later[seg.k].append((source, seg, name, pc["start"], pc["end"], x, y))
+                    elif not part.alias and load_master or want_opt:
+                        fill(seg, name, pc, x, y, new_state[seg.k])
+
     with torch.no_grad():
-        for model in states:
-            if want_opt:
-                if scalars is None and model.get("optim_keys"):
-                    scalars = {k: v.clone() if torch.is_tensor(v) else v
-                               for k, v in model["optim_scalars"].items()}
-                    keys = dict(model["optim_keys"])
-                if groups is None and model.get("optim_groups"):
-                    groups = model["optim_groups"]
-            for k, v in model.get("extras", {}).items():
-                dst = live[k]
-                if dst.shape != v.shape:
-                    raise CheckpointError(f"checkpoint {where}: {k!r} has shape {tuple(v.shape)}, "
-                                          f"the model {tuple(dst.shape)}")
-                dst.data.copy_(v)
-            for name, pieces in model["pieces"].items():
-                for j, seg in by_name.get(name, ()):
-                    for pc in pieces:
-                        x, y = max(seg.a, pc["start"]), min(seg.b, pc["end"])
-                        if x >= y:
-                            continue
-                        src = slice(x - pc["start"], y - pc["start"])
-                        d0 = x - seg.a
-                        dst = slice(d0, d0 + (y - x))
-                        if part.alias:     # one tensor: prefer exact fp32 masters when saved
-                            val = pc["master"] if load_master and "master" in pc else pc["param"]
-                            seg.lp[dst].copy_(val[src])
-                        else:
-                            seg.lp[dst].copy_(pc["param"][src])
-                            if load_master:
-                                seg.master[dst].copy_(pc.get("master", pc["param"])[src])
-                        filled[j] += y - x
-                        if want_opt:
-                            st = new_state[seg.k]
-                            for key, t in pc.get("optim", {}).items():
-                                if key not in st:
-                                    st[key] = _state_buffer(optimizer, masters[seg.k], key, t.dtype)
-                                m0 = seg.mloc + d0
-                                st[key][m0:m0 + (y - x)].copy_(t[src])
-                                opt_filled[(seg.k, key)] = opt_filled.get((seg.k, key), 0) + (y - x)
+        for rank, model in states.items():
+            take(rank, model)
             del model
+        states.release()
         for j, s in enumerate(segs):
             if filled[j] != s.b - s.a:
                 raise CheckpointError(f"checkpoint {where} holds {filled[j]} of the elements [{s.a}, {s.b}) "
                                       f"of {s.name!r} that this rank needs")
-        if not load_master and not part.alias:     # module only: masters follow the loaded weights
+        if swap is not None:
+            _fill_swapped(part, states, optimizer, later, new_state, fill, keys if want_opt else {},
+                          load_master)
+        elif not load_master and not part.alias:     # module only: masters follow the loaded weights
             for u in part.units:
                 u.master.copy_(u.shard)
         if want_opt:
@@ -263,8 +335,47 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                 if opt_filled.get((k, key), 0) != need[k]:
                     raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
             _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys, groups)
-    _publish(part)
+    if swap is None:
+        _publish(part)
+    else:
+        part._gather_after_step()       # published sub-group by sub-group in _fill_swapped
     part.zero_grad()
+
+
+def _fill_swapped(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool) -> None:
+    """The nvme tier: each sub-group in memory in turn (read, filled, published to the
+    model-dtype shards, written back), so loading holds one sub-group's states at a time."""
+    swap = part.swap
+    masters = part.master_params()
+    index = {_storage_key(t): k for k, t in enumerate(masters)}
+    units: list[list] = [[] for _ in masters]
+    for u in part.units:
+        k = index.get(_storage_key(u.master))
+        if k is None:
+            raise CheckpointError("a unit's master is not a sub-group of the nvme tier")
+        units[k].append(u)
+    part.release_all()
+    for k, t in enumerate(masters):
+        with swap.resident(k, dirty=True, optimizer=optimizer):
+            st = new_state[k]
+            for key, dt in keys.items():        # every state the checkpoint has, also for padding
+                st[key] = _state_buffer(optimizer, t, key, getattr(torch, dt))
+            for (kind, ref, i), seg, name, a, b, x, y in sorted(later[k], key=lambda e: e[0]):
+                # file by file: each part file (or rank file) is mapped once per sub-group
+                pc = {"start": a, "end": b, "part": ref} if kind == 0 else states.rank_piece(ref, name, i)
+                fill(seg, name, pc, x, y, st)
+                del pc
+            states.release()                    # unmapped before the next sub-group comes in
+            if st:      # the optimizer holds them before the block ends: written out with the master
+                cur = optimizer.state[t]
+                for key in [key for key, v in cur.items() if _elementwise(v, t) and key not in st]:
+                    del cur[key]                # a state the checkpoint does not have
+                cur.update(st)
+            if not load_master:                 # module only: masters follow the loaded weights
+                for u in units[k]:
+                    u.master.copy_(u.shard)
+            for u in units[k]:
+                u.shard.copy_(u.master)
 
 
 def _publish(part) -> None:

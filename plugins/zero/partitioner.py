@@ -354,22 +354,29 @@ class FlatPartitioner(Partitioner):
                             else [] if self.alias else [self.master_grad_flat])}
         return out
 
-    def checkpoint_state(self, optimizer=None) -> dict:
-        """This rank's world-size-independent checkpoint part (see checkpointing.py)."""
+    def checkpoint_state(self, optimizer=None, parts=None) -> dict:
+        """This rank's world-size-independent checkpoint part (see checkpointing.py).
+
+        The nvme tier with a ``parts`` writer (what save_checkpoint passes): each sub-group's
+        master and optimizer states are brought in, written to a part file and freed, one
+        sub-group at a time. Without one, every sub-group is brought in and the export is
+        copied (the pieces would otherwise point into storages freed right after)."""
+        from zeroplug.checkpoint import active_part_writer
+
         from .checkpointing import export_state
         if self.swap is None:
             return export_state(self, optimizer)
-        # Note: swapped states are brought in for the export and copied, because the
-        # exported pieces would otherwise point into storages freed again right after.
+        if parts is None:
+            parts = active_part_writer()      # called through an override that does not pass it on
+        if parts is not None:
+            return export_state(self, optimizer, parts=parts)
         with self.swap.all_resident(optimizer, dirty=False):
             return _copy_tensors(export_state(self, optimizer))
 
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
+        """Load from a :class:`zeroplug.checkpoint.ShardSet`; the nvme tier one sub-group at a time."""
         from .checkpointing import import_state
-        if self.swap is None:
-            return import_state(self, states, optimizer, **flags)
-        with self.swap.all_resident(optimizer, dirty=True):
-            import_state(self, states, optimizer, **flags)
+        return import_state(self, states, optimizer, **flags)
 
     @classmethod
     def construction_context(cls, options, run, precision):

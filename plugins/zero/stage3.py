@@ -255,12 +255,12 @@ class Stage3(Stage2):
             for h in handles:
                 h.wait()
 
-    def checkpoint_state(self, optimizer=None) -> dict:
+    def checkpoint_state(self, optimizer=None, **kw) -> dict:
         if self.pswap is None:
-            return super().checkpoint_state(optimizer)
+            return super().checkpoint_state(optimizer, **kw)
         from .partitioner import _copy_tensors
         with self.pswap.all_in(write_back=False):     # parameter shards read from their files
-            return _copy_tensors(super().checkpoint_state(optimizer))
+            return _copy_tensors(super().checkpoint_state(optimizer, **kw))
 
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         if self.pswap is None:

@@ -99,9 +99,13 @@ class SubGroupSwap:
         return key in set(self.swapper.keys())
 
     @contextmanager
-    def resident(self, k: int, dirty: bool = False):
+    def resident(self, k: int, dirty: bool = False, optimizer=None):
         """Sub-group ``k``'s states in memory for the block; written back after it if
-        ``dirty``. At most one sub-group is brought in this way at a time."""
+        ``dirty`` (with every element-wise state the optimizer then holds for it, also
+        ones the block created), and freed again. Checkpoints stream through this one
+        sub-group at a time: views of the states must not outlive the block."""
+        if optimizer is not None:
+            self.optimizer = optimizer
         was_out = k in self.swapped
         self.finish_in(k)
         try:
