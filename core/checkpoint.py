@@ -1,15 +1,9 @@
 """Checkpoints: sharded, atomic, verified, independent of the world size.
 
-A checkpoint directory::
-
-    <dir>/latest                 the newest complete tag (written last: temp file, fsync, rename)
-    <dir>/<tag>/manifest.json    format, counters, the model's parameter names / shapes / dtype,
-                                 each file's size and sha256 (and its own checksum)
-    <dir>/<tag>/rank_00000.pt    one file per rank (``torch.save``; read with ``weights_only=True``)
-    <dir>/<tag>/rank_00000.sg00003.pt
-                                 part files of a rank (format version 2): states written one
-                                 sub-group at a time (the nvme tier streams them from its swap
-                                 files); listed in the manifest with "part" (and size, sha256)
+This module is the save / load protocol and the public API. The files themselves (the
+directory layout, atomic writes, manifests and sha256 verification, part files, reading
+rank files back) are :mod:`zeroplug.checkpoint_files`; consolidation into one state dict
+and export are :mod:`zeroplug.checkpoint_export`. Their names are importable from here too.
 
 Saving: rank 0 creates ``<dir>/.tmp-<tag>-<random>`` and broadcasts its name; every rank
 writes and fsyncs its file there (hashing the bytes as they are written); the ranks
@@ -40,164 +34,31 @@ Pieces are written as zero-copy views whose storage is exactly the piece (DLPack
 save needs no second copy of the states and each file holds only what its rank owns.
 Loading memory-maps one rank file at a time; each loading rank copies out the pieces
 that intersect what it owns now, whatever the world size that wrote them.
-
-Part files (version 2): a piece may carry ``"part": "rank_00000.sg00003.pt"`` instead of
-its "master" / "optim" tensors; that file (``format``, ``version``, ``rank``, ``part``,
-``pieces``) holds, under the same name and [start, end), a piece with exactly those
-tensors. The partitioner writes part files through the :class:`PartWriter` that
-``checkpoint_state(optimizer, parts=...)`` receives; :meth:`ShardSet.piece_states`
-resolves a piece either way. Checkpoints without part files are written as version 1.
 """
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import inspect
-import json
 import logging
-import os
 import random
-import re
 import secrets
 import shutil
-import tempfile
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
-from .errors import ZeroplugError
+from .checkpoint_files import (
+    FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, _install, atomic_write_text,
+    fsync_dir, prune, rank_file_name, read_manifest, resolve, verify, write_manifest, write_torch_file,
+)
+# Re-exported, so that everything stays importable from zeroplug.checkpoint:
+from .checkpoint_export import consolidate, export  # noqa: F401
+from .checkpoint_files import (  # noqa: F401
+    MANIFEST, OLD_PREFIX, VERSION, atomic_torch_save, file_sha256, load, part_file_name, piece_view,
+)
 
 log = logging.getLogger("zeroplug")
-
-FORMAT = "zeroplug-checkpoint"
-VERSION = 2             # the newest format this reads; a save without part files writes version 1
-MANIFEST = "manifest.json"
-LATEST = "latest"
-TMP_PREFIX = ".tmp-"
-OLD_PREFIX = ".old-"
-
-
-class CheckpointError(ZeroplugError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit this model."""
-
-
-# --- files -----------------------------------------------------------------------
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_torch_save(obj, path) -> None:
-    """``torch.save`` to ``path`` so that a crash leaves either the old file or the new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename, fsync the directory)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)          # mkstemp's 0600 would hide it from other users
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def load(path, map_location="cpu", mmap: bool = False):
-    """Load a file written by zeroplug; never executes code (``weights_only=True``)."""
-    return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-
-
-class _HashingWriter:
-    """A write-only file object that hashes and counts what passes through it."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.sha.update(b)
-        n = self.f.write(b)
-        self.size += len(memoryview(b).cast("B"))
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def write_torch_file(obj, path) -> tuple[int, str]:
-    """``torch.save`` ``obj`` into a new file, fsynced; returns (size, sha256) of its bytes."""
-    with open(path, "xb") as f:
-        w = _HashingWriter(f)
-        torch.save(obj, w)
-        f.flush()
-        os.fsync(f.fileno())
-    return w.size, w.sha.hexdigest()
-
-
-def file_sha256(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
-
-
-def rank_file_name(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
-def part_file_name(rank: int, label: str) -> str:
-    return f"rank_{rank:05d}.{label}.pt"
-
-
-_LABEL = re.compile(r"^[a-z][a-z0-9]{0,31}$")
-
-
-class PartWriter:
-    """Writes a rank's part files into the checkpoint being saved (each fsynced and hashed as
-    it is written), so that a partitioner can stream states that are not all in memory."""
-
-    def __init__(self, directory: Path, rank: int):
-        self.directory, self.rank = Path(directory), rank
-        self.written: list[dict] = []       # {"file", "part", "size", "sha256"}
-
-    def write(self, label: str, pieces: dict) -> str:
-        """Write ``pieces`` ({param name: [piece, ...]}) as part ``label`` (e.g. "sg00003");
-        returns the file name, which the rank file's pieces name under "part"."""
-        if not _LABEL.match(label) or any(w["part"] == label for w in self.written):
-            raise CheckpointError(f"part label {label!r}: use a new lower-case alphanumeric name")
-        name = part_file_name(self.rank, label)
-        obj = {"format": FORMAT, "version": VERSION, "rank": self.rank, "part": label, "pieces": pieces}
-        size, digest = write_torch_file(obj, self.directory / name)
-        self.written.append({"file": name, "part": label, "size": size, "sha256": digest})
-        return name
 
 
 _ACTIVE_PARTS: contextvars.ContextVar[PartWriter | None] = contextvars.ContextVar("zeroplug_parts", default=None)
@@ -216,15 +77,6 @@ def _accepts(fn, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def piece_view(t: torch.Tensor) -> torch.Tensor:
-    """A view of ``t``'s memory whose storage is exactly ``t`` (no copy), so that
-    ``torch.save`` writes only these elements rather than the whole underlying buffer."""
-    t = t.detach()
-    if not t.is_contiguous():
-        return t.contiguous()
-    return torch.from_dlpack(t)
 
 
 # --- RNG ---------------------------------------------------------------------------
@@ -341,66 +193,6 @@ def _rank_state(engine, client_state, parts: PartWriter | None = None) -> dict:
     }
 
 
-def _manifest_checksum(m: dict) -> str:
-    body = {k: v for k, v in m.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def write_manifest(directory: Path, manifest: dict) -> None:
-    manifest = dict(manifest, checksum=_manifest_checksum(manifest))
-    with open(directory / MANIFEST, "x") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _install(tmp: Path, final: Path) -> None:
-    """Rename the finished temporary directory to its tag (an existing tag is replaced)."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{OLD_PREFIX}{final.name}-{secrets.token_hex(4)}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _tags_by_age(save_dir: Path) -> list[Path]:
-    found = []
-    for d in save_dir.iterdir():
-        if d.name.startswith(".") or not (d / MANIFEST).is_file():
-            continue
-        try:
-            step = int(json.loads((d / MANIFEST).read_text()).get("global_step", -1))
-        except (OSError, ValueError):
-            step = -1
-        found.append((step, d.stat().st_mtime, d.name, d))
-    return [d for *_, d in sorted(found)]
-
-
-def prune(save_dir, keep_last: int, keep=()) -> list[str]:
-    """Delete all but the ``keep_last`` newest checkpoints (and the tags in ``keep``) and
-    stale temporary directories of interrupted saves; returns the removed names."""
-    save_dir = Path(save_dir)
-    removed = []
-    for d in save_dir.iterdir():
-        if d.is_dir() and (d.name.startswith(TMP_PREFIX) or d.name.startswith(OLD_PREFIX)):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d.name)
-    if keep_last > 0:
-        tags = _tags_by_age(save_dir)
-        keep = set(keep) | {d.name for d in tags[-keep_last:]}
-        latest = save_dir / LATEST
-        if latest.is_file():
-            keep.add(latest.read_text().strip())
-        for d in tags:
-            if d.name not in keep:
-                shutil.rmtree(d, ignore_errors=True)
-                removed.append(d.name)
-    return removed
-
-
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
     """Write ``engine``'s complete training state; every rank must call it. Returns the path."""
     engine._require_states("save_checkpoint")
@@ -486,166 +278,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
 # --- load ------------------------------------------------------------------------------
 
-def resolve(load_dir, tag=None) -> Path:
-    """The directory of checkpoint ``tag`` under ``load_dir`` (``latest`` when tag is None).
-    ``load_dir`` may also be a tag directory itself (it holds a manifest)."""
-    root = Path(load_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist")
-    if tag is None:
-        if (root / MANIFEST).is_file():
-            return root
-        latest = root / LATEST
-        if not latest.is_file():
-            raise CheckpointError(f"no checkpoint in {str(root)!r}: there is no {LATEST!r} file "
-                                  "(no save completed there); pass tag= to choose one")
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or "\\" in tag or tag.startswith("."):
-            raise CheckpointError(f"{str(latest)!r} names {tag!r}, which is not a checkpoint tag")
-    path = root / str(tag)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {str(tag)!r} not found in {str(root)!r}")
-    return path
-
-
-def read_manifest(path: Path) -> dict:
-    f = path / MANIFEST
-    if not f.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is missing (an incomplete save, "
-                              "or not a zeroplug checkpoint)")
-    try:
-        m = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is corrupt ({exc})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is not a zeroplug manifest")
-    if m.get("checksum") != _manifest_checksum(m):
-        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is corrupt (checksum mismatch)")
-    if m.get("version", 0) > VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format version {m['version']}; this zeroplug "
-                              f"reads up to {VERSION}: upgrade zeroplug")
-    return m
-
-
-def _file_problem(path: Path, name: str, entry: dict, hash_it: bool) -> str | None:
-    f = path / name
-    if not f.is_file():
-        return f"checkpoint {str(path)!r}: file {name} is missing"
-    size = f.stat().st_size
-    if size != entry["size"]:
-        return f"checkpoint {str(path)!r}: file {name} is corrupt (size {size}, manifest says {entry['size']})"
-    if hash_it and file_sha256(f) != entry["sha256"]:
-        return f"checkpoint {str(path)!r}: file {name} is corrupt (sha256 differs from the manifest)"
-    return None
-
-
-def verify(path: Path, manifest: dict, comm=None) -> None:
-    """Check every file against the manifest; with several ranks each hashes a share of the files."""
-    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
-    names = sorted(manifest["files"])
-    problems = [p for i, n in enumerate(names)
-                if (p := _file_problem(path, n, manifest["files"][n], i % world == rank))]
-    if comm is not None:
-        problems = sorted({p for ps in _all_gather(comm, problems) for p in ps})
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(problems[0] + more)
-
-
-class ShardSet:
-    """The rank files of one verified checkpoint, read one at a time (memory-mapped), and
-    their part files, opened (memory-mapped) when a piece names one."""
-
-    PARTS_OPEN = 1          # part files kept mapped for the pieces that follow
-
-    def __init__(self, path: Path, manifest: dict):
-        self.path, self.manifest = path, manifest
-        self.meta = manifest["model"]
-        self.world_size = int(manifest["world_size"])
-        self._by_rank = {e["rank"]: n for n, e in manifest["files"].items() if "part" not in e}
-        self._parts: OrderedDict[str, dict] = OrderedDict()
-        self._open: tuple[int, dict] | None = None
-
-    def piece_states(self, name: str, pc: dict) -> dict:
-        """The piece of parameter ``name`` that holds ``pc``'s "master" / "optim" tensors:
-        ``pc`` itself, or its copy in the part file it names."""
-        ref = pc.get("part")
-        if ref is None:
-            return pc
-        index = self._part(ref)
-        found = index.get((name, pc["start"], pc["end"]))
-        if found is None:
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: part file {ref} has no piece "
-                                  f"[{pc['start']}, {pc['end']}) of {name!r}")
-        return found
-
-    def _part(self, ref) -> dict:
-        hit = self._parts.get(ref)
-        if hit is not None:
-            self._parts.move_to_end(ref)
-            return hit
-        entry = self.manifest["files"].get(ref) if isinstance(ref, str) else None
-        if entry is None or "part" not in entry:
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: a piece names the part file {ref!r}, "
-                                  f"which {MANIFEST} does not list")
-        try:
-            obj = load(self.path / ref, mmap=True)
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: file {ref} cannot be read: {exc}") from None
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT or not isinstance(obj.get("pieces"), dict):
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: file {ref} is not a zeroplug part file")
-        index = {(n, p["start"], p["end"]): p for n, ps in obj["pieces"].items() for p in ps}
-        self._parts[ref] = index
-        while len(self._parts) > self.PARTS_OPEN:
-            self._parts.popitem(last=False)
-        return index
-
-    def rank_piece(self, rank: int, name: str, i: int) -> dict:
-        """Piece ``i`` of parameter ``name`` in rank ``rank``'s file (the last file asked for
-        stays mapped, so that asking in rank order opens each file once)."""
-        if self._open is None or self._open[0] != rank:
-            self._open = None
-            self._open = (rank, self.load_rank(rank)["model"])
-        try:
-            return self._open[1]["pieces"][name][i]
-        except (KeyError, IndexError):
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: rank {rank}'s file has no piece {i} "
-                                  f"of {name!r}") from None
-
-    def release(self) -> None:
-        """Unmap the files still open."""
-        self._parts.clear()
-        self._open = None
-
-    def load_rank(self, rank: int) -> dict:
-        name = self._by_rank.get(rank)
-        if name is None:
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: no file for rank {rank}")
-        try:
-            obj = load(self.path / name, mmap=True)
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: file {name} cannot be read: {exc}") from None
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint {str(self.path)!r}: file {name} is not a zeroplug rank file")
-        return obj
-
-    def items(self):
-        """(rank, ``model`` part) of each rank file; the previous one is released before the
-        next is opened."""
-        for r in sorted(self._by_rank):
-            obj = self.load_rank(r)
-            model = obj["model"]
-            del obj
-            yield r, model
-            del model
-
-    def __iter__(self):
-        """Each rank file's ``model`` part, one at a time (see :meth:`items`)."""
-        for _, model in self.items():
-            yield model
-            del model
-
-
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Restore ``engine`` from a checkpoint (every rank must call it); returns (path, client_state)."""
@@ -677,82 +309,6 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     del own
     comm.barrier()
     return str(path), client_state
-
-
-# --- export ----------------------------------------------------------------------------
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint metadata")
-    return dt
-
-
-def consolidate(load_dir, tag=None) -> dict:
-    """The full model state dict (model dtype, the model's own names), read from the
-    checkpoint files alone: no engine, no model class, no process group."""
-    path = resolve(load_dir, tag)
-    manifest = read_manifest(path)
-    verify(path, manifest)
-    shards = ShardSet(path, manifest)
-    meta = shards.meta
-    full = {n: torch.empty(int(torch.Size(p["shape"]).numel()), dtype=_dtype(p["dtype"]))
-            for n, p in meta["params"].items()}
-    filled = dict.fromkeys(full, 0)
-    extras = {}
-    for model in shards:
-        for name, pieces in model["pieces"].items():
-            if name not in full:
-                raise CheckpointError(f"checkpoint {str(path)!r}: pieces of {name!r}, which the manifest "
-                                      "does not list")
-            for pc in pieces:
-                full[name][pc["start"]:pc["end"]].copy_(pc["param"])
-                filled[name] += pc["end"] - pc["start"]
-        for k, v in model.get("extras", {}).items():
-            extras[k] = v.clone()
-    for name, t in full.items():
-        if filled[name] != t.numel():
-            raise CheckpointError(f"checkpoint {str(path)!r} holds {filled[name]} of the {t.numel()} elements "
-                                  f"of {name!r}")
-    out = {}
-    for key, name in meta["state_dict"]:
-        if name is None:
-            if key not in extras:
-                raise CheckpointError(f"checkpoint {str(path)!r}: state-dict entry {key!r} is missing")
-            out[key] = extras[key]
-        else:
-            out[key] = full[name].view(meta["params"][name]["shape"])
-    return out
-
-
-def export(load_dir, out_path, tag=None) -> str:
-    """Write the consolidated model state dict to ``out_path``: ``.safetensors`` (needs the
-    safetensors package) or anything else as a ``torch.save`` file (``.pt``)."""
-    out_path = Path(out_path)
-    if out_path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise CheckpointError(f"{out_path}: writing .safetensors needs the safetensors package "
-                                  "(pip install safetensors); or export to a .pt file") from None
-        sd = consolidate(load_dir, tag)
-        seen, flat = set(), {}
-        for k, v in sd.items():      # safetensors refuses shared tensors: tied weights get a copy
-            ptr = v.untyped_storage().data_ptr()
-            flat[k] = v.clone() if ptr in seen else v.contiguous()
-            seen.add(ptr)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
-        os.close(fd)
-        try:
-            save_file(flat, tmp)
-            os.replace(tmp, out_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    else:
-        atomic_torch_save(consolidate(load_dir, tag), out_path)
-    return str(out_path)
 
 
 __all__ = ["CheckpointError", "atomic_torch_save", "load", "save_checkpoint", "load_checkpoint",

@@ -3,9 +3,10 @@ switch), on both implementation paths (compiled kernel and eager fallback)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import io
 import sys
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,19 +16,18 @@ import torch
 
 def _load():
     try:
-        from zeroplug.plugins.optim import cpu_adam
+        from zeroplug.plugins.optim import cpu_adam, cpu_adam_kernels
 
-        return cpu_adam
-    except Exception:  # package not installed / sibling plugin mid-edit: load the file
-        path = Path(__file__).resolve().parents[1] / "plugins" / "optim" / "cpu_adam.py"
-        spec = importlib.util.spec_from_file_location("_zeroplug_cpu_adam", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod
+        return cpu_adam, cpu_adam_kernels
+    except Exception:  # package not installed / sibling plugin mid-edit: load the files
+        pkg = types.ModuleType("_zeroplug_optim")  # a bare package: optim/__init__.py is not run
+        pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "plugins" / "optim")]
+        sys.modules[pkg.__name__] = pkg
+        return (importlib.import_module("_zeroplug_optim.cpu_adam"),
+                importlib.import_module("_zeroplug_optim.cpu_adam_kernels"))
 
 
-ca = _load()
+ca, ck = _load()
 CPUAdam = ca.CPUAdam
 
 # Smallest size that takes the compiled path; odd so the vector tail is exercised.
@@ -163,7 +163,7 @@ def test_grad_scale(impl):
 
 def test_eager_chunk_boundaries(monkeypatch):
     """Converted / lp paths walk the tensor in chunks: sizes around chunk multiples."""
-    monkeypatch.setattr(ca, "_EAGER_CHUNK_PER_THREAD", 64)
+    monkeypatch.setattr(ck, "_EAGER_CHUNK_PER_THREAD", 64)
     chunk = 64 * torch.get_num_threads()
     sizes = [chunk - 1, chunk, chunk + 1, 3 * chunk + 17]
     init = _params(sizes)
@@ -185,7 +185,7 @@ def test_eager_chunk_boundaries(monkeypatch):
 
 def test_compile_failure_falls_back(monkeypatch):
     """No C++ compiler / inductor error: warn, step through the eager path."""
-    monkeypatch.setattr(ca, "_COMPILED", ca._Compiled())
+    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
 
     def broken(*a, **k):
         raise RuntimeError("no C++ compiler")
@@ -216,13 +216,13 @@ def test_slow_compiled_kernel_not_used(monkeypatch):
         CPUAdam([torch.zeros(1)], impl="compile").implementation(torch.float32, None, BIG)
     except RuntimeError as e:
         pytest.skip(f"torch.compile kernel unavailable: {e}")
-    monkeypatch.setattr(ca, "_COMPILED", ca._Compiled())
-    monkeypatch.setattr(ca, "_MAX_SLOWDOWN", 0.0)  # anything counts as too slow
+    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(ck, "_MAX_SLOWDOWN", 0.0)  # anything counts as too slow
     opt = CPUAdam([torch.zeros(1)])
     with pytest.warns(RuntimeWarning, match="slower than the eager path"):
         assert opt.implementation(torch.bfloat16, torch.bfloat16, BIG) == "eager"
     # a forced compile skips the speed check
-    monkeypatch.setattr(ca, "_COMPILED", ca._Compiled())
+    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
     assert CPUAdam([torch.zeros(1)], impl="compile").implementation(
         torch.bfloat16, torch.bfloat16, BIG) == "compile"
 

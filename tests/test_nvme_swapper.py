@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import zeroplug.plugins.offload_nvme.swapper as swmod
+import zeroplug.plugins.offload_nvme.swapplan as planmod
 from zeroplug.errors import ConfigError, ZeroplugError
 from zeroplug.plugins.offload_nvme import NVMeOffload, NVMeOptions
 from zeroplug.plugins.offload_nvme.swapper import (AsyncSwapper, SwapError, SwapIOError, SwapMemoryError,
@@ -412,7 +413,7 @@ def test_plan_checks(tmp_path, monkeypatch):
         plan(0, 5000, _opts(tmp_path, buffer_size=1000), where="offload.param")
     assert ei.value.key == "offload.param.buffer_size"
 
-    monkeypatch.setattr(swmod, "host_available_bytes", lambda: 10 * 2**20)
+    monkeypatch.setattr(planmod, "host_available_bytes", lambda: 10 * 2**20)
     with pytest.raises(SwapMemoryError, match=r"buffer_count = 5 x buffer_size = 1000000 .*10485760 bytes"):
         plan(0, 10, _opts(tmp_path, buffer_count=5, buffer_size=10**6))
     monkeypatch.undo()

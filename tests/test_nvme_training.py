@@ -68,30 +68,20 @@ def test_param_nvme_needs_the_optimizer_offloaded(tmp_path):
 def test_nvme_checkpoint_resume_exact_and_cross_tier(tmp_path):
     """Save with the optimizer on NVMe, resume on NVMe and on the cpu tier: the losses
     continue exactly as an uninterrupted run's."""
-    from toy import batches
+    from toy import batches, train_steps
     swap, ck = str(tmp_path / "swap"), str(tmp_path / "ck")
     os.makedirs(swap)
-
-    def train(engine, data, n):
-        out = []
-        for _ in range(n):
-            x, y = next(data)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
 
     def build(tier):
         torch.manual_seed(0)
         return zeroplug.initialize(ToyNet(), _cfg("stage2", tier, 1, swap))
 
     e = build("nvme")
-    full = train(e, batches(8, 8), 8)
+    full = train_steps(e, batches(8, 8), 8)
     e.close()
     eng = build("nvme")
     data = batches(8, 8)
-    first = train(eng, data, 4)
+    first = train_steps(eng, data, 4)
     eng.save_checkpoint(ck)
     eng.close()
     assert os.listdir(swap) == []
@@ -101,7 +91,7 @@ def test_nvme_checkpoint_resume_exact_and_cross_tier(tmp_path):
         rest = batches(8, 8)
         for _ in range(4):
             next(rest)
-        assert first + train(eng2, rest, 4) == full, tier
+        assert first + train_steps(eng2, rest, 4) == full, tier
         eng2.close()
     assert os.listdir(swap) == []
 

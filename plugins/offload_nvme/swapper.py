@@ -17,12 +17,9 @@ run concurrently. Files are padded to 4096 bytes (O_DIRECT's alignment) and
 preallocated before the first write, so parallel direct writes into the file are
 overwrites that filesystems (ext4, xfs) let run under a shared lock.
 
-Files live in a private directory ``zeroplug-swap-<pid>-<random>`` (0700, files 0600)
-under ``nvme_path``. It is removed by :meth:`AsyncSwapper.close`, at interpreter exit
-(atexit), on SIGTERM (the handler cleans up, then chains to the previous handler or
-re-raises the default action) and by ``with AsyncSwapper(...)`` on an exception. A
-directory left by a run that was killed (SIGKILL, a crash) is found and removed at the
-next start under the same ``nvme_path``.
+The private swap directory and its cleanup are :mod:`.swapdir`, the checks before
+anything is allocated (:func:`plan`) :mod:`.swapplan`, the errors :mod:`.errors`; their
+public names are importable from here too.
 
 Note: where O_DIRECT is refused (tmpfs on older kernels, some network filesystems:
 EINVAL at open or at the first aligned request), the swapper warns once and uses
@@ -37,344 +34,35 @@ was partially overwritten.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import ctypes
 import errno
-import json
 import logging
 import os
 import re
-import secrets
 import shutil
-import signal
-import socket
 import threading
 import time
 from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Hashable
 
 import aiofiles.os
 import torch
 
-from zeroplug.errors import ConfigError, ZeroplugError
-from zeroplug.memory import GB, host_available_bytes
+from zeroplug.errors import ConfigError
+
+from .directio import ALIGN, O_DIRECT, _align, _bytes_of, _clear_direct, _copy_in, _copy_out, _has_direct
+from .errors import SwapError, explain
+from .swapdir import _LIVE, _LIVE_LOCK, _install_handlers, _make_run_dir, check_path, clean_stale
+# Re-exported, so that everything stays importable from this module:
+from .errors import SwapIOError, SwapMemoryError, SwapPathError, SwapSpaceError  # noqa: F401
+from .swapdir import DIR_PREFIX, _atexit, _cleanup_all  # noqa: F401
+from .swapplan import SwapPlan, plan  # noqa: F401
 
 log = logging.getLogger("zeroplug")
 
-ALIGN = 4096                          # O_DIRECT alignment of memory, offsets and lengths
 PIECE = 16 << 20                      # a write starts its requests after each PIECE bytes copied
-DIR_PREFIX = "zeroplug-swap-"
-_DIR_RE = re.compile(r"^zeroplug-swap-(\d+)-[0-9a-f]+$")
-_OWNER = ".owner"
-O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-# --- errors --------------------------------------------------------------------------
-
-class SwapError(ZeroplugError):
-    """An NVMe swap operation failed; the message names the path, the cause and the fix."""
-
-    def __init__(self, message: str, path: str | None = None, errno_: int | None = None):
-        super().__init__(message)
-        self.path, self.errno = path, errno_
-
-
-class SwapSpaceError(SwapError):
-    """Not enough free space at nvme_path (ENOSPC / EDQUOT, or plan()'s check)."""
-
-
-class SwapPathError(SwapError):
-    """nvme_path is missing, not a directory, read-only or not writable by this user."""
-
-
-class SwapIOError(SwapError):
-    """The disk reported an I/O error (EIO) or another unexpected OS error."""
-
-
-class SwapMemoryError(SwapError, MemoryError):
-    """The swap buffers do not fit in the available host memory."""
-
-
-_FIXES = {
-    errno.ENOSPC: (SwapSpaceError, "free space there, or point nvme_path at a disk with more room "
-                                   "(plan() reports how much the swap files need)"),
-    errno.EDQUOT: (SwapSpaceError, "this user's disk quota is exhausted: raise it, free space, or "
-                                   "point nvme_path at another disk"),
-    errno.EROFS: (SwapPathError, "the filesystem is mounted read-only: remount it read-write or set "
-                                 "nvme_path to a writable local disk"),
-    errno.EACCES: (SwapPathError, "this user may not write there: chmod/chown the directory or set "
-                                  "nvme_path to a directory you own"),
-    errno.EPERM: (SwapPathError, "the operation is not permitted there: set nvme_path to a directory "
-                                 "you own on a local disk"),
-    errno.ENOENT: (SwapPathError, "create it (mkdir -p) or fix nvme_path"),
-    errno.ENOTDIR: (SwapPathError, "nvme_path must be a directory: fix nvme_path"),
-    errno.EIO: (SwapIOError, "the disk or filesystem reported a hardware error: check `dmesg` and the "
-                             "drive's health (nvme smart-log / smartctl), or use another nvme_path"),
-}
-
-
-def explain(exc: OSError, path: str, action: str, note: str = "") -> SwapError:
-    """An ``OSError`` as a :class:`SwapError` naming the path, the errno meaning and the fix."""
-    e = exc.errno if exc.errno is not None else errno.EIO
-    cls, fix = _FIXES.get(e, (SwapIOError, "check the disk and nvme_path"))
-    meaning = f"{errno.errorcode.get(e, 'errno ' + str(e))} ({os.strerror(e)})"
-    msg = f"NVMe swap: {action} failed at {path}: {meaning}. Fix: {fix}."
-    if note:
-        msg += " " + note
-    err = cls(msg, path, e)
-    err.__cause__ = exc
-    return err
-
-
-# --- the run's directory, stale directories, cleanup at exit / SIGTERM ------------------
-
-def _proc_start(pid: int) -> str | None:
-    """The start time of a process (clock ticks since boot), to tell a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def _fmt_bytes(n: float) -> str:
-    return f"{n / GB:.2f} GiB" if n >= GB / 10 else f"{n / 2**20:.1f} MiB"
-
-
-def check_path(nvme_path: str, key: str = "nvme_path") -> str:
-    """``nvme_path`` must exist, be a directory and be writable; returns its absolute path."""
-    if not nvme_path:
-        raise ConfigError(f"{key} is empty: set it to a directory on a local NVMe disk", key=key)
-    path = os.path.abspath(os.path.expanduser(nvme_path))
-    if not os.path.exists(path):
-        raise explain(FileNotFoundError(errno.ENOENT, "missing"), path, f"{key} = {nvme_path!r}")
-    if not os.path.isdir(path):
-        raise explain(NotADirectoryError(errno.ENOTDIR, "not a directory"), path, f"{key} = {nvme_path!r}")
-    if not os.access(path, os.W_OK | os.X_OK):
-        try:    # tell a read-only filesystem from a permission problem
-            ro = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-        except OSError:
-            ro = False
-        e = errno.EROFS if ro else errno.EACCES
-        raise explain(OSError(e, os.strerror(e)), path, f"{key} = {nvme_path!r}: not writable")
-    return path
-
-
-def clean_stale(nvme_path: str) -> list[tuple[str, int]]:
-    """Remove swap directories under ``nvme_path`` whose process is gone; returns (dir, bytes)."""
-    removed = []
-    host = socket.gethostname()
-    try:
-        names = os.listdir(nvme_path)
-    except OSError:
-        return removed
-    for name in names:
-        m = _DIR_RE.match(name)
-        if not m:
-            continue
-        d = os.path.join(nvme_path, name)
-        pid = int(m.group(1))
-        try:
-            with open(os.path.join(d, _OWNER)) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            owner = None
-        if owner is not None:
-            if owner.get("host") != host:
-                continue            # another machine's run on a shared filesystem
-            start = owner.get("start")
-            stale = not _alive(pid) or (start is not None and _proc_start(pid) not in (None, start))
-        else:
-            try:                    # no marker: being created right now, or killed right then
-                young = time.time() - os.lstat(d).st_mtime < 60
-            except OSError:
-                continue
-            stale = not young and not _alive(pid)
-        if not stale:
-            continue
-        size = _tree_bytes(d)
-        shutil.rmtree(d, ignore_errors=True)
-        if os.path.exists(d):
-            log.warning("NVMe swap: found the stale swap directory %s (%s) of a run that ended without "
-                        "cleaning up (pid %d), but could not remove it; remove it by hand", d,
-                        _fmt_bytes(size), pid)
-            continue
-        log.warning("NVMe swap: removed the stale swap directory %s (%s) left by a run that ended without "
-                    "cleaning up (pid %d is gone)", d, _fmt_bytes(size), pid)
-        removed.append((d, size))
-    return removed
-
-
-def _make_run_dir(base: str) -> str:
-    for _ in range(100):
-        d = os.path.join(base, f"{DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise explain(exc, base, "creating the swap directory") from None
-        try:
-            os.chmod(d, 0o700)      # whatever the umask
-            fd = os.open(os.path.join(d, _OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(),
-                           "start": _proc_start(os.getpid())}, f)
-        except OSError as exc:
-            shutil.rmtree(d, ignore_errors=True)
-            raise explain(exc, d, "writing into the swap directory") from None
-        return d
-    raise SwapPathError(f"NVMe swap: could not create a unique directory under {base}", base)
-
-
-_LIVE: dict[int, "AsyncSwapper"] = {}
-_LIVE_LOCK = threading.Lock()
-_HANDLER_STATE: dict[str, Any] = {"installed": False, "previous": None}
-
-
-def _cleanup_all(fast: bool) -> None:
-    with _LIVE_LOCK:
-        swappers = list(_LIVE.values())
-    for s in swappers:
-        try:
-            s._remove_dir() if fast else s.close(wait=False)
-        except Exception:   # noqa: BLE001 - cleanup at exit must not raise
-            pass
-
-
-def _atexit() -> None:
-    _cleanup_all(fast=False)
-
-
-def _on_sigterm(signum, frame):
-    prev = _HANDLER_STATE["previous"]
-    if callable(prev):
-        # Note: a previous handler decides. If it returns, the process goes on (e.g. to save a
-        # checkpoint, which may need the swap files) and they stay; if it raises (SystemExit,
-        # torchelastic's SignalException) the exception unwinds and atexit removes them.
-        prev(signum, frame)
-        return
-    _cleanup_all(fast=True)        # the default action follows: files first
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_handlers() -> None:
-    if _HANDLER_STATE["installed"]:
-        return
-    if threading.current_thread() is not threading.main_thread():
-        log.debug("NVMe swap: not on the main thread, so no SIGTERM handler (atexit still cleans up)")
-        return
-    prev = signal.getsignal(signal.SIGTERM)
-    if prev is signal.SIG_IGN:
-        _HANDLER_STATE["installed"] = True        # the process ignores SIGTERM: so do we
-        return
-    _HANDLER_STATE["previous"] = prev if callable(prev) else None
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _HANDLER_STATE["installed"] = True
-
-
-def _after_fork_in_child() -> None:
-    # a forked child (a DataLoader worker) must never remove its parent's files
-    with _LIVE_LOCK:
-        _LIVE.clear()
-
-
-atexit.register(_atexit)
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# --- plan: the checks before anything is allocated ----------------------------------------
-
-@dataclass(frozen=True)
-class SwapPlan:
-    path: str
-    buffer_numel: int
-    buffer_bytes: int
-    buffer_count: int
-    pinned: bool
-    pinned_bytes: int            # buffer_count x buffer bytes
-    swap_bytes: int              # the swap files' total, padded
-    free_bytes: int              # free at path now
-
-    def describe(self) -> str:
-        return (f"NVMe swap at {self.path}: {self.buffer_count} x {self.buffer_numel} elements "
-                f"= {_fmt_bytes(self.pinned_bytes)} of {'pinned ' if self.pinned else ''}host buffers; "
-                f"swap files {_fmt_bytes(self.swap_bytes)} of {_fmt_bytes(self.free_bytes)} free")
-
-
-def _align(n: int, a: int = ALIGN) -> int:
-    return -(-n // a) * a
-
-
-def plan(total_bytes: int, largest_numel: int, options, *, element_size: int = 4,
-         num_files: int = 0, where: str = "offload") -> SwapPlan:
-    """Check a swap setup before allocating anything.
-
-    ``total_bytes``: the bytes that will be swapped out at once (all files);
-    ``largest_numel``: the largest parameter / sub-group that one buffer must hold;
-    ``options``: the nvme tier's options (``nvme_path``, ``buffer_count``, ``buffer_size``
-    (None = ``largest_numel``), ``pin_memory``); ``where``: the TOML table, for messages.
-    Raises :class:`ConfigError` (buffer_size too small), :class:`SwapMemoryError` (buffers
-    over the available host memory), :class:`SwapSpaceError` (not enough free disk) or
-    :class:`SwapPathError`. Removes stale swap directories first (they hold disk space).
-    """
-    path = check_path(options.nvme_path, f"{where}.nvme_path")
-    size = options.buffer_size if options.buffer_size is not None else largest_numel
-    size = max(1, int(size))
-    if size < largest_numel:
-        raise ConfigError(
-            f"{where}.buffer_size = {size} elements is smaller than the largest parameter or sub-group "
-            f"({largest_numel} elements), which one swap buffer must hold (DeepSpeed: \"More elements "
-            f"... than buffer size\"). Set {where}.buffer_size >= {largest_numel}, or lower "
-            f"zero.sub_group_size", key=f"{where}.buffer_size")
-    count = options.buffer_count if options.buffer_count is not None else 4
-    buffer_bytes = _align(size * element_size)
-    pinned = bool(options.pin_memory) and torch.cuda.is_available()
-    pinned_bytes = count * buffer_bytes
-    avail = host_available_bytes()
-    if pinned_bytes > avail:
-        raise SwapMemoryError(
-            f"NVMe swap buffers need {_fmt_bytes(pinned_bytes)} ({pinned_bytes} bytes) of "
-            f"{'pinned ' if pinned else ''}host memory ({where}.buffer_count = {count} x buffer_size = "
-            f"{size} elements x {element_size} bytes) but only {_fmt_bytes(avail)} ({avail} bytes) is "
-            f"available. Lower {where}.buffer_count or buffer_size (not below {largest_numel}), or "
-            f"free host memory", path)
-    clean_stale(path)
-    swap_bytes = _align(int(total_bytes)) + num_files * ALIGN
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize
-    if swap_bytes > free:
-        raise SwapSpaceError(
-            f"NVMe swap: the swap files need {_fmt_bytes(swap_bytes)} ({swap_bytes} bytes) at {path} but "
-            f"only {_fmt_bytes(free)} ({free} bytes) is free there. Free space, point {where}.nvme_path "
-            f"at a larger disk, or use more ranks (each holds a 1/N shard)", path, errno.ENOSPC)
-    p = SwapPlan(path, size, buffer_bytes, count, pinned, pinned_bytes, swap_bytes, free)
-    log.info(p.describe())
-    return p
 
 
 # --- futures -------------------------------------------------------------------------------
@@ -403,40 +91,6 @@ class SwapFuture:
 
     def __repr__(self) -> str:
         return f"SwapFuture({self.key!r}, {self.nbytes} bytes, {'done' if self.done() else 'pending'})"
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    if not torch.is_tensor(t):
-        raise TypeError(f"AsyncSwapper: expected a tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError("AsyncSwapper: tensors must be contiguous (call .contiguous() first)")
-    t = t.detach().reshape(-1)
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
-
-
-def _copy_in(buf: torch.Tensor, src: torch.Tensor, off: int, n: int, padded: int) -> None:
-    buf[:n].copy_(src[off:off + n])
-    if padded > n:
-        buf[n:padded].zero_()
-
-
-def _copy_out(buf: torch.Tensor, dst: torch.Tensor, off: int, n: int) -> None:
-    dst[off:off + n].copy_(buf[:n])
-
-
-def _has_direct(fd: int) -> bool:
-    import fcntl
-    try:
-        return bool(O_DIRECT) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
-    except OSError:
-        return False
-
-
-def _clear_direct(fd: int) -> None:
-    import fcntl
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
 
 
 _WARNED_BUFFERED = False

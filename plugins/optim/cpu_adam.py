@@ -12,47 +12,31 @@ offload update (``step_param(p, grad=bf16, lp_out=bf16)``) must in the same sing
 convert the gradient, apply ``grad_scale`` and write the low-precision copy of the
 parameter; done with separate torch ops that would be 4-5 passes over memory.
 
-Two implementations, picked per call (``impl="auto"``, the default):
-
-``compile`` (for conversions / lp copies / grad_scale, where it works)
-    One ``torch.compile`` d (inductor, C++/OpenMP, vectorised) elementwise kernel over the
-    whole sub-group: load p, g (any float dtype), m, v; compute in fp32; store p, m, v and
-    optionally the bf16/fp16 copy.  ``dynamic=True``: one compilation per (adamw, grad
-    dtype, lp dtype) serves every size and storage offset.  Needs a working C++ compiler
-    at run time; the first call of each variant compiles it (seconds; up to a minute with
-    a cold inductor cache) and checks it against the eager path on a 1M-element probe, for
-    results and for speed (a compiled kernel more than 1.3x slower than the eager path is
-    not used).  Any failure falls back to ``eager`` with a warning.
-``eager``
-    ``torch._fused_adam(w)_`` (ATen's vectorised, multi-threaded single-pass CPU kernel).
-    A plain fp32 step (fp32 grad, ``grad_scale=1``, no lp copy) is one call over the whole
-    tensor; ``auto`` always takes it, because it is already one pass at memory speed
-    (measured equal to the compiled kernel) and needs no compiler.  When the gradient must
-    be converted / scaled or an lp copy written, the tensor is walked in cache-sized chunks
-    (64K elements per thread) so that the conversion, the step and the copy-out of a chunk
-    all hit L2 instead of streaming the whole tensor 3 times.
-
-Measured and dropped: compiled calls per fixed-size chunk (``dynamic=False``), and torch
-ops / ``_foreach`` ops per L2-sized chunk, on intra-op threads or on a thread pool: 1.3-4x
-slower than one kernel over the sub-group (fork/join and dispatch overhead per chunk).
+Two implementations, picked per call (``impl="auto"``, the default): ``compile``, one
+``torch.compile`` d kernel over the whole sub-group (for conversions / lp copies /
+grad_scale, where it works), or ``eager``, ATen's fused single-pass kernel. Both, and how
+the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`.
 
 Tensors below ``_MIN_COMPILE_NUMEL`` always use ``eager`` (a compiled call costs ~30-40 us
 of guard and wrapper overhead).  Set ``ZEROPLUG_CPU_ADAM_IMPL=eager`` (or
 ``CPUAdam(..., impl="eager")``) to force the fallback; ``impl="compile"`` makes compile
 failures errors instead of warnings.
 
-This module imports nothing from zeroplug so that it can be used on its own.
+This module and :mod:`.cpu_adam_kernels` import nothing else from zeroplug, so that the
+two files can be used on their own.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
+
+from . import cpu_adam_kernels as _kernels
+from .cpu_adam_kernels import _eager_update, _scalars, compile_status
 
 __all__ = ["CPUAdam", "compile_status"]
 
@@ -60,250 +44,8 @@ _IMPL_ENV = "ZEROPLUG_CPU_ADAM_IMPL"
 _IMPLS = ("auto", "compile", "eager")
 # Below this many elements a sub-group takes the eager path (compiled-call overhead).
 _MIN_COMPILE_NUMEL = 1 << 16
-# Eager path: elements per thread in one chunk (p, g, m, v, g32 of a chunk stay in L2).
-_EAGER_CHUNK_PER_THREAD = 1 << 16
-# Step value fed to the fused ATen kernel when bias_correction=False: beta ** 2**40
-# underflows to 0 for every beta < 1, so both corrections become exactly 1.
-_NO_BIAS_CORRECTION_STEP = float(2**40)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-# --------------------------------------------------------------------------- kernels
-# Scalars travel in one fp32 tensor so that changing lr / step never recompiles:
-#   sc = [grad_scale, wd (Adam: L2) or 1 - lr*wd (AdamW), beta1, 1-beta1, beta2, 1-beta2,
-#         1/sqrt(bc2), eps, -step_size]
-# The step is memory bound only if the arithmetic stays cheap: one sqrt and one division
-# per element (the bias correction of the denominator is a multiplication by its
-# reciprocal, as in DeepSpeed's CPU-Adam), no select / lerp.  Scalars are fp32, as torch
-# rounds Python scalars for fp32 tensors; results match torch.optim.Adam(W) to a few ulp.
-def _adam_math(p, g, m, v, sc, adamw: bool):
-    gf = g.to(torch.float32) * sc[0]
-    if adamw:
-        p = p * sc[1]
-    else:
-        gf = gf + p * sc[1]
-    m_new = m * sc[2] + sc[3] * gf
-    v_new = v * sc[4] + (sc[5] * gf) * gf
-    denom = v_new.sqrt() * sc[6] + sc[7]
-    p_new = p + (sc[8] * m_new) / denom
-    return p_new, m_new, v_new
-
-
-def _kernel_adamw(p, g, m, v, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, True)
-    p.copy_(p_new)
-    m.copy_(m_new)
-    v.copy_(v_new)
-
-
-def _kernel_adam(p, g, m, v, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, False)
-    p.copy_(p_new)
-    m.copy_(m_new)
-    v.copy_(v_new)
-
-
-def _kernel_adamw_lp(p, g, m, v, lp, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, True)
-    p.copy_(p_new)
-    m.copy_(m_new)
-    v.copy_(v_new)
-    lp.copy_(p_new)
-
-
-def _kernel_adam_lp(p, g, m, v, lp, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, False)
-    p.copy_(p_new)
-    m.copy_(m_new)
-    v.copy_(v_new)
-    lp.copy_(p_new)
-
-
-_KERNELS = {
-    (True, False): _kernel_adamw,
-    (False, False): _kernel_adam,
-    (True, True): _kernel_adamw_lp,
-    (False, True): _kernel_adam_lp,
-}
-
-
-class _Compiled:
-    """Process-wide lazily compiled kernels.
-
-    One ``torch.compile`` d function per (adamw, has lp) pair; each (adamw, grad dtype,
-    lp dtype) variant is probed once (compiled and checked) before first use.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.fns: dict[tuple, Callable] = {}
-        self.ok: dict[tuple, bool] = {}
-        self.speed: dict[tuple, dict] = {}
-        self.errors: dict[tuple, str] = {}
-
-    def get(self, key: tuple, strict: bool) -> Callable | None:
-        """key = (adamw, grad dtype, lp dtype or None)."""
-        ok = self.ok.get(key)
-        if ok is None:
-            with self.lock:
-                ok = self.ok.get(key)
-                if ok is None:
-                    ok = self._build(key, strict)
-        if not ok:
-            if strict:
-                raise RuntimeError(
-                    f"cpu_adam: compiled kernel unavailable ({self.errors.get(key)})"
-                )
-            return None
-        return self.fns[(key[0], key[2] is not None)]
-
-    def _build(self, key: tuple, strict: bool) -> bool:
-        adamw, gdt, lpdt = key
-        try:
-            if not hasattr(torch, "compile"):
-                raise RuntimeError("torch.compile is not available")
-            if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0"):
-                raise RuntimeError("TORCHDYNAMO_DISABLE is set")
-            fkey = (adamw, lpdt is not None)
-            if fkey not in self.fns:
-                self.fns[fkey] = torch.compile(_KERNELS[fkey], dynamic=True, fullgraph=True)
-            self.speed[key] = _probe(self.fns[fkey], adamw, gdt, lpdt, check_speed=not strict)
-            self.ok[key] = True
-        except Exception as e:  # compiler missing, inductor error, wrong result, ...
-            msg = f"{type(e).__name__}: {e}".strip()
-            self.ok[key] = False
-            self.errors[key] = msg[:2000]
-            if strict:
-                raise RuntimeError(f"cpu_adam: compiled kernel unavailable ({msg[:500]})") from e
-            warnings.warn(
-                f"cpu_adam: torch.compile kernel unavailable for {_key_str(key)}, "
-                f"using the eager path ({msg[:300]})",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return self.ok[key]
-
-
-def _key_str(key: tuple) -> str:
-    return f"{'adamw' if key[0] else 'adam'} grad={key[1]} lp={key[2]}"
-
-
-_COMPILED = _Compiled()
-
-
-def compile_status() -> dict[str, Any]:
-    """Which compiled variants were built or failed (and why): for reports and tests."""
-    return {
-        "ok": [_key_str(k) for k, v in _COMPILED.ok.items() if v],
-        "probe_seconds": {_key_str(k): v for k, v in _COMPILED.speed.items() if v},
-        "failed": {_key_str(k): _COMPILED.errors.get(k, "") for k, v in _COMPILED.ok.items()
-                   if not v},
-    }
-
-
-# Probe size: inductor sizes its OpenMP parallelism from the first example it sees, even
-# with dynamic shapes (a 4K probe compiled a single-threaded kernel on a 16-core box:
-# 850 Mparams/s against 5,300 for ATen's fused kernel).  A large, odd probe keeps every
-# thread busy on any machine (>= min_chunk_size elements per thread up to ~2K threads).
-_PROBE_NUMEL = (1 << 20) + 3
-# A compiled variant slower than this factor x the eager path on the probe is not used.
-_MAX_SLOWDOWN = 1.3
-
-
-def _probe(fn: Callable, adamw: bool, gdt: torch.dtype, lpdt: torch.dtype | None,
-           check_speed: bool) -> dict:
-    """Compile ``fn`` for this variant; check it against the eager path (and its speed)."""
-    n = _PROBE_NUMEL
-    gen = torch.Generator().manual_seed(0)
-    p = torch.randn(n, generator=gen)
-    g = torch.randn(n, generator=gen).to(gdt)
-    m = torch.randn(n, generator=gen) * 0.1
-    v = torch.rand(n, generator=gen) * 0.01
-    lp = torch.empty(n, dtype=lpdt) if lpdt is not None else None
-    ref = [p.clone(), m.clone(), v.clone()]
-    ref_lp = torch.empty_like(lp) if lp is not None else None
-    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
-    step = torch.tensor(3.0)
-    sc = _scalars(hp, 3.0, True, 0.5)
-    args = (p, g, m, v, lp, sc) if lpdt is not None else (p, g, m, v, sc)
-    scratch: dict = {}
-
-    def eager():
-        _eager_update(ref[0], g, ref[1], ref[2], ref_lp, step, hp, True, 0.5, scratch)
-
-    with torch.no_grad():
-        fn(*args)
-        eager()
-        for a, b in zip((p, m, v), ref):
-            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
-                raise RuntimeError("compiled kernel disagrees with the eager reference")
-        if lpdt is not None and not torch.equal(lp, p.to(lpdt)):
-            raise RuntimeError("compiled kernel wrote a wrong low-precision copy")
-        if not check_speed:
-            return {}
-        t_c, t_e = [], []
-        for _ in range(5):  # interleaved, best of 5: robust to a noisy neighbour
-            t = time.perf_counter()
-            fn(*args)
-            t_c.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            eager()
-            t_e.append(time.perf_counter() - t)
-    speed = {"compiled_s": min(t_c), "eager_s": min(t_e)}
-    if speed["compiled_s"] > _MAX_SLOWDOWN * speed["eager_s"]:
-        raise RuntimeError(
-            f"compiled kernel is slower than the eager path on {n} elements "
-            f"({1e3 * speed['compiled_s']:.2f} ms vs {1e3 * speed['eager_s']:.2f} ms)"
-        )
-    return speed
-
-
-def _scalars(hp: dict, step: float, bias_correction: bool, grad_scale: float) -> torch.Tensor:
-    lr, b1, b2, wd, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"]
-    if bias_correction:
-        bc1 = 1.0 - b1**step
-        inv_bc2_sqrt = 1.0 / (1.0 - b2**step) ** 0.5
-    else:
-        bc1 = inv_bc2_sqrt = 1.0
-    decay = 1.0 - lr * wd if hp["adamw"] else wd
-    vals = [grad_scale, decay, b1, 1.0 - b1, b2, 1.0 - b2, inv_bc2_sqrt, eps, -(lr / bc1)]
-    return torch.tensor(vals, dtype=torch.float32)
-
-
-def _eager_update(p, g, m, v, lp, step_t, hp, bias_correction, grad_scale, scratch) -> None:
-    """ATen fused kernel; chunked through L2 when g needs converting or lp is written."""
-    fused = torch._fused_adamw_ if hp["adamw"] else torch._fused_adam_
-    if not bias_correction:
-        step_t = torch.tensor(_NO_BIAS_CORRECTION_STEP)
-    kw = dict(
-        lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"],
-        eps=hp["eps"], amsgrad=False, maximize=False,
-    )
-    n = p.numel()
-    convert = g.dtype != torch.float32 or grad_scale != 1.0
-    if not convert and lp is None:
-        fused([p], [g], [m], [v], [], [step_t], **kw)
-        return
-    chunk = _EAGER_CHUNK_PER_THREAD * max(1, torch.get_num_threads())
-    buf = None
-    if convert:
-        buf = scratch.get("g32")
-        if buf is None or buf.numel() < min(n, chunk):
-            buf = scratch["g32"] = torch.empty(min(n, chunk) if n else 0, dtype=torch.float32)
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        pc = p[s:e]
-        gc = g[s:e]
-        if convert:
-            b = buf[: e - s]
-            b.copy_(gc)
-            if grad_scale != 1.0:
-                b.mul_(grad_scale)
-            gc = b
-        fused([pc], [gc], [m[s:e]], [v[s:e]], [], [step_t], **kw)
-        if lp is not None:
-            lp[s:e].copy_(pc)
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -412,7 +154,7 @@ class CPUAdam(torch.optim.Optimizer):
         if adamw_mode is None:
             adamw_mode = bool(self.param_groups[0]["adamw_mode"])
         key = (adamw_mode, grad_dtype, lp_dtype)
-        fn = _COMPILED.get(key, strict=self.impl == "compile")
+        fn = _kernels._COMPILED.get(key, strict=self.impl == "compile")
         return "compile" if fn is not None else "eager"
 
     # -- stepping -----------------------------------------------------------------
@@ -469,7 +211,7 @@ class CPUAdam(torch.optim.Optimizer):
         if self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
             key = (bool(group["adamw_mode"]), grad.dtype,
                    lp_out.dtype if lp_out is not None else None)
-            fn = _COMPILED.get(key, strict=self.impl == "compile")
+            fn = _kernels._COMPILED.get(key, strict=self.impl == "compile")
         state = self._init_state(p)
         step_t = state["step"]
         step_t += 1
@@ -503,8 +245,8 @@ class CPUAdam(torch.optim.Optimizer):
                 if self.impl == "compile":
                     raise
                 key = (hp["adamw"], gf.dtype, lpf.dtype if lpf is not None else None)
-                _COMPILED.ok[key] = False
-                _COMPILED.errors[key] = f"{type(e).__name__}: {e}"[:2000]
+                _kernels._COMPILED.ok[key] = False
+                _kernels._COMPILED.errors[key] = f"{type(e).__name__}: {e}"[:2000]
                 warnings.warn(f"cpu_adam: compiled kernel failed ({e!r:.300}); using eager",
                               RuntimeWarning, stacklevel=3)
                 fn = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -45,13 +46,11 @@ def load_cpu_adam():
         from zeroplug.plugins.optim import cpu_adam  # type: ignore
 
         return cpu_adam
-    except ImportError:
-        path = Path(__file__).resolve().parents[2] / "plugins" / "optim" / "cpu_adam.py"
-        spec = importlib.util.spec_from_file_location("_zeroplug_cpu_adam", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod
+    except ImportError:  # load the files as a bare package (optim/__init__.py is not run)
+        pkg = types.ModuleType("_zeroplug_optim")
+        pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "plugins" / "optim")]
+        sys.modules[pkg.__name__] = pkg
+        return importlib.import_module("_zeroplug_optim.cpu_adam")
 
 
 def cpu_model() -> str:

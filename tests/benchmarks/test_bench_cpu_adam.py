@@ -8,9 +8,10 @@ with the roofline is ``python tests/benchmarks/cpu_adam_table.py``.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,11 @@ def _load():
         from zeroplug.plugins.optim import cpu_adam
 
         return cpu_adam
-    except Exception:
-        path = Path(__file__).resolve().parents[2] / "plugins" / "optim" / "cpu_adam.py"
-        spec = importlib.util.spec_from_file_location("_zeroplug_cpu_adam", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod
+    except Exception:  # load the files as a bare package (optim/__init__.py is not run)
+        pkg = types.ModuleType("_zeroplug_optim")
+        pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "plugins" / "optim")]
+        sys.modules[pkg.__name__] = pkg
+        return importlib.import_module("_zeroplug_optim.cpu_adam")
 
 
 ca = _load()

@@ -1,0 +1,90 @@
+"""Checkpoint export: the full model state dict from a checkpoint's files alone.
+
+:func:`consolidate` gathers every rank's pieces into whole parameters (model dtype, the
+model's own names) without an engine, a model class or a process group; :func:`export`
+writes that state dict as ``.safetensors`` or a ``torch.save`` file (``zeroplug export``).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .checkpoint_files import CheckpointError, ShardSet, atomic_torch_save, read_manifest, resolve, verify
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint metadata")
+    return dt
+
+
+def consolidate(load_dir, tag=None) -> dict:
+    """The full model state dict (model dtype, the model's own names), read from the
+    checkpoint files alone: no engine, no model class, no process group."""
+    path = resolve(load_dir, tag)
+    manifest = read_manifest(path)
+    verify(path, manifest)
+    shards = ShardSet(path, manifest)
+    meta = shards.meta
+    full = {n: torch.empty(int(torch.Size(p["shape"]).numel()), dtype=_dtype(p["dtype"]))
+            for n, p in meta["params"].items()}
+    filled = dict.fromkeys(full, 0)
+    extras = {}
+    for model in shards:
+        for name, pieces in model["pieces"].items():
+            if name not in full:
+                raise CheckpointError(f"checkpoint {str(path)!r}: pieces of {name!r}, which the manifest "
+                                      "does not list")
+            for pc in pieces:
+                full[name][pc["start"]:pc["end"]].copy_(pc["param"])
+                filled[name] += pc["end"] - pc["start"]
+        for k, v in model.get("extras", {}).items():
+            extras[k] = v.clone()
+    for name, t in full.items():
+        if filled[name] != t.numel():
+            raise CheckpointError(f"checkpoint {str(path)!r} holds {filled[name]} of the {t.numel()} elements "
+                                  f"of {name!r}")
+    out = {}
+    for key, name in meta["state_dict"]:
+        if name is None:
+            if key not in extras:
+                raise CheckpointError(f"checkpoint {str(path)!r}: state-dict entry {key!r} is missing")
+            out[key] = extras[key]
+        else:
+            out[key] = full[name].view(meta["params"][name]["shape"])
+    return out
+
+
+def export(load_dir, out_path, tag=None) -> str:
+    """Write the consolidated model state dict to ``out_path``: ``.safetensors`` (needs the
+    safetensors package) or anything else as a ``torch.save`` file (``.pt``)."""
+    out_path = Path(out_path)
+    if out_path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise CheckpointError(f"{out_path}: writing .safetensors needs the safetensors package "
+                                  "(pip install safetensors); or export to a .pt file") from None
+        sd = consolidate(load_dir, tag)
+        seen, flat = set(), {}
+        for k, v in sd.items():      # safetensors refuses shared tensors: tied weights get a copy
+            ptr = v.untyped_storage().data_ptr()
+            flat[k] = v.clone() if ptr in seen else v.contiguous()
+            seen.add(ptr)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+        os.close(fd)
+        try:
+            save_file(flat, tmp)
+            os.replace(tmp, out_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    else:
+        atomic_torch_save(consolidate(load_dir, tag), out_path)
+    return str(out_path)
+
