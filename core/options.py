@@ -174,6 +174,10 @@ def option_docs(cls: type) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, (f, tp) in fields_of(cls).items():
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        try:
+            default = _coerce(default, tp)          # 5e8 on an int option shows as 500000000
+        except (_Mismatch, TypeError):
+            pass
         extra = []
         if f.metadata.get("min") is not None:
             extra.append(f">= {f.metadata['min']}")

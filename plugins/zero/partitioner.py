@@ -330,8 +330,15 @@ class FlatPartitioner(Partitioner):
     def _gather_after_step(self) -> None:
         if self.layout_world == 1:
             return
-        handles = [self.comm.all_gather(u.full, u.shard, async_op=True) for u in self.units]
-        for h in handles:
+        inflight, n = [], 0      # at most allgather_bucket_size elements in flight at once
+        for u in self.units:
+            if inflight and n + u.numel > self.options.allgather_bucket_size:
+                for h in inflight:
+                    h.wait()
+                inflight, n = [], 0
+            inflight.append(self.comm.all_gather(u.full, u.shard, async_op=True))
+            n += u.numel
+        for h in inflight:
             h.wait()
 
     # -- views -------------------------------------------------------------------------
