@@ -441,7 +441,7 @@ def test_tier_options_and_lifecycle(tmp_path, caplog):
     p = build_options(NVMeOptions, {"nvme_path": str(tmp_path)}, "offload.param").resolved("param")
     with pytest.raises(ConfigError, match="needs the optimizer offloaded too"):
         load({"zero": {"plugin": "stage3"}, "offload": {"param": {"plugin": "nvme", "nvme_path": str(tmp_path)}}})
-    assert (o.buffer_count, o.pipeline_read, o.fast_init, o.thread_count) == (4, True, False, 2)
+    assert (o.buffer_count, o.pipeline_read, o.fast_init, o.thread_count) == (4, True, True, 2)
     assert (p.buffer_count, p.buffer_size, p.max_in_cpu) == (5, 10**8, 10**9)
     for raw, pattern in [
         ({"offload": {"optimizer": {"plugin": "nvme"}}}, "nvme_path is required"),
@@ -455,6 +455,9 @@ def test_tier_options_and_lifecycle(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="zeroplug"):
         load({"offload": {"optimizer": {"plugin": "nvme", "nvme_path": "/x", "single_submit": True}}})
     assert any("single_submit = true changes nothing" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, logger="zeroplug"):
+        load({"offload": {"optimizer": {"plugin": "nvme", "nvme_path": "/x", "fast_init": False}}})
+    assert any("fast_init = false changes nothing" in r.getMessage() for r in caplog.records)
 
     tier = NVMeOffload(NVMeOptions(nvme_path=str(tmp_path), block_size=65536), SimpleNamespace(device=None),
                        "optimizer")

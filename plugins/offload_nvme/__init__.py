@@ -47,7 +47,7 @@ log = logging.getLogger("zeroplug")
 
 #: defaults that depend on the table: (optimizer, param)
 _DEFAULTS = {"buffer_count": (4, 5), "buffer_size": (None, int(1e8)), "max_in_cpu": (None, int(1e9)),
-             "pipeline_read": (True, None), "pipeline_write": (True, None), "fast_init": (False, None)}
+             "pipeline_read": (True, None), "pipeline_write": (True, None), "fast_init": (True, None)}
 _ONLY = {"max_in_cpu": "offload.param", "pipeline_read": "offload.optimizer",
          "pipeline_write": "offload.optimizer", "fast_init": "offload.optimizer"}
 
@@ -69,8 +69,9 @@ class NVMeOptions:
                                            "while the current one steps (default true).")
     pipeline_write: bool | None = opt(None, "[offload.optimizer] only: write a sub-group's states back "
                                             "while the next one steps (default true).")
-    fast_init: bool | None = opt(None, "[offload.optimizer] only: create the optimizer states lazily at the "
-                                       "first step instead of writing zeros to NVMe at start (default false).")
+    fast_init: bool | None = opt(None, "[offload.optimizer] only: zeroplug always creates the optimizer "
+                                       "states at the first step (DeepSpeed's fast_init = true); false is "
+                                       "accepted with a note, as it changes nothing (default true).")
     block_size: int = opt(1048576, "Bytes per I/O request (DeepSpeed aio.block_size); a multiple of 4096.",
                           min=4096)
     queue_depth: int = opt(8, "I/O requests in flight per swapper (aio.queue_depth); at most thread_count "
@@ -101,6 +102,9 @@ class NVMeOptions:
         moot = [f"{n} = {str(v).lower()}" for n, v, ours in (("single_submit", self.single_submit, False),
                                                               ("overlap_events", self.overlap_events, True))
                 if v != ours]
+        if self.fast_init is False:
+            log.warning("%s.fast_init = false changes nothing: zeroplug creates the optimizer states at the "
+                        "first step and writes only the initial master weights to NVMe at start", path)
         if moot:
             log.warning("%s: %s changes nothing: zeroplug's swapper submits each request as a slot frees and "
                         "overlaps completions with new submissions; tune queue_depth, thread_count and "
