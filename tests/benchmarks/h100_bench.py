@@ -79,10 +79,16 @@ def workload(args) -> dict:
            "optimizer": {"plugin": "adamw", "lr": 1e-4}, "monitor": {"plugin": "none"}}
     if args.offload_optimizer:
         cfg["offload"] = {"optimizer": {"plugin": args.offload_optimizer}}
+        if args.offload_optimizer == "nvme":
+            os.makedirs(args.nvme_path, exist_ok=True)
+            cfg["offload"]["optimizer"]["nvme_path"] = args.nvme_path
         cfg["optimizer"]["plugin"] = args.optimizer
         cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
     if args.offload_param:
         cfg["offload"]["param"] = {"plugin": args.offload_param}
+        if args.offload_param == "nvme":
+            os.makedirs(args.nvme_path, exist_ok=True)
+            cfg["offload"]["param"]["nvme_path"] = args.nvme_path
     mcfg, model = build(args, cfg)
     nparams = param_count(mcfg)
     if args.baseline == "torch":
@@ -186,8 +192,9 @@ def main():
     p.add_argument("--model", default="1.3B")
     p.add_argument("--zero", default="stage2")
     p.add_argument("--baseline", choices=["torch"], default=None)
-    p.add_argument("--offload-optimizer", choices=["cpu"], default=None)
-    p.add_argument("--offload-param", choices=["cpu"], default=None, help="stage 3, with --offload-optimizer")
+    p.add_argument("--offload-optimizer", choices=["cpu", "nvme"], default=None)
+    p.add_argument("--offload-param", choices=["cpu", "nvme"], default=None, help="stage 3, with --offload-optimizer")
+    p.add_argument("--nvme-path", default="/root/zeroplug_swap", help="swap directory for the nvme tier")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--optimizer", default="adamw", help="optimizer plugin with --offload-optimizer")
     p.add_argument("--bucket", type=float, default=1e8, help="reduce_bucket_size with offload")
