@@ -230,6 +230,10 @@ def cmd_docs(args, overrides) -> int:
         out.extend(f"| `{n}` | {t} | `{d}` | {h} |" for n, t, d, h in option_docs(cls))
         out.append("")
     out.append("## Core tables\n")
+    out.append("`[aio]` (DeepSpeed's name) gives defaults for the nvme tier's I/O keys (`block_size`, "
+               "`queue_depth`, `thread_count` / `intra_op_parallelism`, `single_submit`, `overlap_events`) "
+               "in both `[offload.optimizer]` and `[offload.param]`; keys set in those tables win. See "
+               "plugin \"nvme\" below.\n")
     for name, cls in CORE_TABLES.items():
         table(f"[{name}]", cls)
     done = set()

@@ -161,6 +161,18 @@ def _resolve_batch(b: BatchOptions, world: int) -> BatchOptions:
                         gradient_clipping=b.gradient_clipping, steps_per_print=b.steps_per_print)
 
 
+def _check_shared(table, name: str, options_cls) -> None:
+    from .options import fields_of
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{name}] must be a table", key=name)
+    known = fields_of(options_cls)
+    names = set(known) | {a for f, _ in known.values() for a in f.metadata.get("alias", ())}
+    for key in table:
+        if key not in names:
+            raise ConfigError(f"unknown key {name}.{key}.{suggest(key, names)} "
+                              f"Known keys of [{name}]: {', '.join(sorted(known))}", key=f"{name}.{key}")
+
+
 def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
     """Validate a raw dict into a :class:`Config` for a run of ``world_size`` ranks."""
     if pm is None:
@@ -168,7 +180,16 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
         pm = get_plugin_manager()
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a table of tables, got {type(raw).__name__}")
-    known_top = set(CORE_TABLES) | {p.split(".")[0] for p in SLOT_TABLES}
+    # Note: an implementation may name top-level tables whose keys are defaults for its own
+    # options (`shared_tables`), e.g. DeepSpeed's [aio] for the nvme tier: one [aio] serves
+    # both [offload.optimizer] and [offload.param].
+    shared = {t for reg in pm.registry().values() for r in reg.values()
+              for t in getattr(r.impl, "shared_tables", ())}
+    known_top = set(CORE_TABLES) | {p.split(".")[0] for p in SLOT_TABLES} | shared
+    for t in shared & set(raw):     # checked even when no selected plugin uses it
+        owner = next(r.impl for reg in pm.registry().values() for r in reg.values()
+                     if t in getattr(r.impl, "shared_tables", ()))
+        _check_shared(raw[t], t, owner.Options)
     for key, value in raw.items():
         if key not in known_top:
             raise ConfigError(f"unknown table [{key}].{suggest(key, known_top)} "
@@ -185,17 +206,28 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
 
     batch = _resolve_batch(build_options(BatchOptions, raw.get("batch", {}), "batch"), world_size)
     ckpt = build_options(CheckpointOptions, raw.get("checkpoint", {}), "checkpoint")
-    slots = {}
+    slots, used_shared = {}, set()
     for path, (slot, default) in SLOT_TABLES.items():
         table = dict(raw.get("offload", {}).get(path.split(".")[1], {}) if path.startswith("offload.")
                      else raw.get(path, {}))
         name = table.pop("plugin", default)
+        impl = pm.registry()[slot].get(name) if isinstance(name, str) else None
+        for t in getattr(impl.impl, "shared_tables", ()) if impl else ():
+            if t in raw:
+                table = {**raw[t], **table}         # the slot's own keys win
+                used_shared.add(t)
         if not isinstance(name, str):
             raise ConfigError(f"{path}.plugin must be a plugin name (a string), got {name!r}",
                               key=f"{path}.plugin")
         reg = pm.get(slot, name, key=f"{path}.plugin")
         options = build_options(reg.impl.Options, table, path)
         slots[path] = SlotChoice(path, name, reg.impl, options)
+    for t in sorted(shared & set(raw) - used_shared):
+        import logging
+        logging.getLogger("zeroplug").warning(
+            "[zeroplug] [%s] is set but no selected plugin uses it (it configures: %s); it changes nothing",
+            t, ", ".join(sorted(f"{s}:{r.name}" for s, reg in pm.registry().items() for r in reg.values()
+                                if t in getattr(r.impl, "shared_tables", ()))))
     cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size)
     for choice in slots.values():   # cross-slot rules, e.g. offload.param needs stage 3
         check = getattr(choice.impl, "check_config", None)

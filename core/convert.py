@@ -66,6 +66,8 @@ def from_deepspeed(ds: dict, notes: list[str] | None = None) -> dict:
                     out["precision"] = {"plugin": "bf16"}
         elif key == "zero_optimization":
             _zero(value, out, notes)
+        elif key == "aio":
+            out["aio"] = dict(value)
         elif key in _DROPPED:
             notes.append(f"{key} dropped: {_DROPPED[key]}")
         else:

@@ -261,3 +261,25 @@ def test_cpu_checkpoint_into_nvme_and_back_exact(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{part[0].name} is corrupt \(sha256"):
         build("cpu").load_checkpoint(ck / "nvme2")
     assert os.listdir(swap) == []
+
+
+def test_aio_table_sets_swapper_defaults(tmp_path, caplog):
+    """DeepSpeed's [aio] table configures the nvme tier (its own keys win); unknown aio keys
+    and an [aio] nothing uses are reported."""
+    import logging
+    aio = {"block_size": 65536, "queue_depth": 4, "intra_op_parallelism": 3}
+    cfg = zeroplug.load_config({"aio": aio, "zero": {"plugin": "stage2"},
+                                "offload": {"optimizer": {"plugin": "nvme", "nvme_path": str(tmp_path),
+                                                          "queue_depth": 16}}})
+    o = cfg.slot("offload.optimizer").options
+    assert (o.block_size, o.queue_depth, o.thread_count) == (65536, 16, 3)
+    with pytest.raises(zeroplug.ConfigError, match=r"aio\.queue_dept\. Did you mean 'queue_depth'"):
+        zeroplug.load_config({"aio": {"queue_dept": 4}})
+    with caplog.at_level(logging.WARNING, logger="zeroplug"):
+        zeroplug.load_config({"aio": {"block_size": 65536}})
+    assert any("[aio] is set but no selected plugin uses it" in r.getMessage() for r in caplog.records)
+    from zeroplug.convert import from_deepspeed
+    raw = from_deepspeed({"aio": {"block_size": 1048576, "thread_count": 2},
+                          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                  "nvme_path": str(tmp_path)}}})
+    assert zeroplug.load_config(raw).slot("offload.optimizer").options.thread_count == 2

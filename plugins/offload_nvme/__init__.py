@@ -146,6 +146,8 @@ class NVMeOffload(OffloadDevice):
 
     #: the partitioner keeps each sub-group's states in files between steps
     swaps_states = True
+    #: DeepSpeed's top-level [aio] table gives defaults for block_size, queue_depth, ...
+    shared_tables = ("aio",)
 
     @property
     def offloaded(self) -> bool:
