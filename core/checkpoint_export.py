@@ -40,7 +40,10 @@ def consolidate(load_dir, tag=None) -> dict:
                 raise CheckpointError(f"checkpoint {str(path)!r}: pieces of {name!r}, which the manifest "
                                       "does not list")
             for pc in pieces:
-                full[name][pc["start"]:pc["end"]].copy_(pc["param"])
+                val = pc["param"] if "param" in pc else shards.piece_states(name, pc).get("param")
+                if val is None:
+                    raise CheckpointError(f"checkpoint {str(path)!r}: a piece of {name!r} has no values")
+                full[name][pc["start"]:pc["end"]].copy_(val)
                 filled[name] += pc["end"] - pc["start"]
         for k, v in model.get("extras", {}).items():
             extras[k] = v.clone()

@@ -1,6 +1,7 @@
 """Stage 3 parameter shards on "NVMe" beyond max_in_cpu (issue E): training equals the
 run with parameters in host memory exactly; reads go ahead of use; files are removed."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,29 +51,147 @@ def test_params_on_nvme_equal_host_params(world, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_checkpoint_with_params_on_nvme(tmp_path):
+@pytest.mark.parametrize("opt_tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("saved_by", ["nvme", "cpu"])
+def test_checkpoint_with_params_on_nvme(tmp_path, saved_by, opt_tier):
+    """Resume is exact with parameter shards on NVMe, and a checkpoint moves between the
+    nvme and cpu param tiers both ways (and consolidates from its files alone)."""
     from toy import batches, train_steps
+    from zeroplug.checkpoint import consolidate
     swap, ck = str(tmp_path / "swap"), str(tmp_path / "ck")
     os.makedirs(swap)
 
     def build(tier):
         torch.manual_seed(0)
-        return zeroplug.initialize(ToyNet(), _cfg(1, swap, tier))
+        return zeroplug.initialize(ToyNet(), _cfg(1, swap, tier, opt_tier))
 
     e = build("nvme")
     full = train_steps(e, batches(6, 8), 6)
     e.close()
-    e = build("nvme")
+    e = build(saved_by)
     data = batches(6, 8)
     first = train_steps(e, data, 3)
-    e.save_checkpoint(ck)
+    path = e.save_checkpoint(ck)
+    whole = e.consolidated_state_dict()
+    if saved_by == "nvme":      # the shards are out again after the save
+        ps = e.partitioner.pswap
+        assert ps.on_nvme and ps.resident == set()
+        assert all(e.partitioner.units[i].shard.untyped_storage().size() == 0 for i in ps.on_nvme)
     e.close()
+    sd = consolidate(ck)
+    assert all(torch.equal(sd[k], whole[k]) for k in whole)
+    if saved_by == "nvme":      # the shards on NVMe went into part files
+        assert any(".sg" in n for n in os.listdir(path))
     for tier in ("nvme", "cpu"):
         e2 = build(tier)
         e2.load_checkpoint(ck)
+        if tier == "nvme":
+            assert e2.partitioner.pswap.resident == set()
         rest = batches(6, 8)
         for _ in range(3):
             next(rest)
-        assert first + train_steps(e2, rest, 3) == full, tier
+        assert first + train_steps(e2, rest, 3) == full, (saved_by, tier)
         e2.close()
     assert os.listdir(swap) == []
+
+
+def _reshape_job(rank, world, swap, ck, save):
+    from toy import batches, train_steps
+    torch.manual_seed(0)
+    e = zeroplug.initialize(ToyNet(), _cfg(world, swap, "nvme", "nvme", max_in_cpu=0))
+    data = batches(6, 8)
+    if save:
+        train_steps(e, data, 3)
+        e.save_checkpoint(ck)
+    else:
+        e.load_checkpoint(ck)
+        for _ in range(3):
+            next(data)
+    out = train_steps(e, data, 3)
+    e.close()
+    return out
+
+
+def test_nvme_params_checkpoint_reshapes(tmp_path):
+    """Saved by 2 ranks with every shard on NVMe, resumed by 1 (and 2) the same."""
+    swap, ck = str(tmp_path / "swap"), str(tmp_path / "ck")
+    os.makedirs(swap)
+    ref = run_ranks(_reshape_job, 2, swap, ck, True)[0]
+    assert run_ranks(_reshape_job, 1, swap, ck, False)[0] == ref
+    assert run_ranks(_reshape_job, 2, swap, ck, False)[0] == ref
+
+
+# --- a save streams one unit's parameter shards at a time ---------------------------------
+# Host memory as in test_nvme_training.py: the running sum of the profiler's "[memory]"
+# records (every allocation and free of torch's CPU allocator), its maximum the peak.
+
+W, LAYERS = 512, 6
+UNIT = W * W + W                # one Linear(512, 512): one unit, one sub-group
+
+
+class Wide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(W, W) for _ in range(LAYERS)])
+
+    def forward(self, x):
+        return self.layers(x).float().pow(2).mean()
+
+
+def _peak_bytes(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return out, peak
+
+
+def _wide_steps(engine, seed, n):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        loss = engine(torch.randn(4, W, generator=g))
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
+
+
+def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cfg = {"zero": {"plugin": "stage3", "stage3_param_persistence_threshold": 0, "sub_group_size": UNIT},
+           "optimizer": {"plugin": "adamw", "lr": 1e-3}, "batch": {"micro_batch_size": 4},
+           "monitor": {"plugin": "none"},
+           "offload": {"optimizer": {"plugin": "cpu"},
+                       "param": {"plugin": "nvme", "nvme_path": str(swap), "max_in_cpu": 0}}}
+    torch.manual_seed(0)
+    e = zeroplug.initialize(Wide(), cfg)
+    part = e.partitioner
+    assert len(part.pswap.on_nvme) == LAYERS
+    unit_bytes = UNIT * part.units[0].shard.element_size()
+    _wide_steps(e, 1, 2)
+    path, save = _peak_bytes(lambda: e.save_checkpoint(tmp_path / "ck"))
+    after = _wide_steps(e, 2, 2)
+    torch.manual_seed(5)
+    e2 = zeroplug.initialize(Wide(), cfg)
+    _wide_steps(e2, 3, 1)         # optimizer states exist: the load fills them in place
+    _, load = _peak_bytes(lambda: e2.load_checkpoint(tmp_path / "ck"))
+    assert _wide_steps(e2, 2, 2) == after
+    # what a save did before: every shard in (and everything copied)
+    _, all_in = _peak_bytes(lambda: part.checkpoint_state(e.optimizer))
+    biggest = max(f.stat().st_size for f in Path(path).iterdir())
+    print({"unit": unit_bytes, "save": save, "load": load, "all_in": all_in, "biggest file": biggest})
+    assert 0.9 * unit_bytes <= save <= 1.5 * unit_bytes
+    assert all_in >= LAYERS * unit_bytes
+    # load: one unit's shard + the part files mapped (ShardSet maps the next before it lets
+    # the previous go: two at once), not every shard
+    assert load <= 1.5 * unit_bytes + 2 * biggest
+    assert load < all_in / 3
+    e.close()
+    e2.close()

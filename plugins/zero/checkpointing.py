@@ -26,11 +26,17 @@ memory (model-dtype shards, scalars, extras) from every rank file, then brings o
 sub-group in at a time, fills its master and states from the pieces (in the rank
 files or their part files) that intersect it, publishes it and writes it back. A
 checkpoint with or without part files loads into every tier.
+
+Stage 3 parameter shards on NVMe (``part.pswap``) stream the same way: a piece of a unit
+whose shard is in a swap file keeps its "param" (and its master and states) in the part
+file of its sub-group, written while that sub-group's units are read in (and dropped
+after); loading fills such a shard one unit at a time, publishes and writes it back.
 """
 from __future__ import annotations
 
 import logging
 from bisect import bisect_right
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -48,9 +54,17 @@ class Segment(NamedTuple):
     name: str            # the parameter's (first) name in the module
     a: int               # [a, b): elements in the parameter's flattened numbering
     b: int
-    lp: torch.Tensor     # the model-dtype values (a view of the unit's shard)
+    shard: torch.Tensor  # the unit's model-dtype shard, holding them from offset ``q``
     k: int               # index of the master tensor (in master_params()) holding them
     mloc: int            # offset of element ``a`` inside that master tensor
+    unit: int            # the unit's index
+    q: int
+
+    @property
+    def lp(self) -> torch.Tensor:
+        """The model-dtype values (a view of the shard; made on use, since a shard on NVMe
+        has no memory to view while it is out)."""
+        return self.shard[self.q:self.q + (self.b - self.a)]
 
     def master(self, masters) -> torch.Tensor:
         """The fp32 values (a view of master ``k``; made on use, since a swapped-out
@@ -133,7 +147,7 @@ def segments(part) -> list[Segment]:
                 y = min(end, off + n)
                 s = a + (x - base - p0)
                 q = x - base
-                out.append(Segment(name, s, s + (y - x), u.shard[q:q + (y - x)], k, x - off))
+                out.append(Segment(name, s, s + (y - x), u.shard, k, x - off, u.index, q))
                 x = y
                 j += 1
     return out
@@ -169,23 +183,33 @@ def export_state(part, optimizer=None, parts=None) -> dict:
     masters = part.master_params()
     states = optimizer.state if optimizer is not None else {}
     swap = part.swap if parts is not None else None
+    pswap = getattr(part, "pswap", None) if parts is not None else None
+    on_nvme = pswap.on_nvme if pswap is not None else set()     # units whose shard is in a file
     if owner:
         by_k: dict[int, list[tuple[Segment, dict]]] = {}
         for seg in segments(part):
-            pc = {"start": seg.a, "end": seg.b, "param": piece_view(seg.lp)}
-            if swap is None:
+            pc = {"start": seg.a, "end": seg.b}
+            if seg.unit not in on_nvme:
+                pc["param"] = piece_view(seg.lp)
+            if swap is None and seg.unit not in on_nvme:
                 pc.update(_piece_states(seg, masters, states, part.alias))
             else:
                 by_k.setdefault(seg.k, []).append((seg, pc))
             out["pieces"].setdefault(seg.name, []).append(pc)
         for k in sorted(by_k):       # one sub-group in memory at a time, straight into its file
-            with swap.resident(k, dirty=False, optimizer=optimizer):
+            units = [part.units[i] for i in sorted({seg.unit for seg, _ in by_k[k]} & on_nvme)]
+            with swap.resident(k, dirty=False, optimizer=optimizer) if swap is not None else nullcontext():
+                for u in units:      # its parameter shards on NVMe too, read-only
+                    pswap.ensure(u)
                 pieces: dict[str, list] = {}
                 for seg, pc in by_k[k]:
                     pieces.setdefault(seg.name, []).append(
-                        {"start": seg.a, "end": seg.b, **_piece_states(seg, masters, states, part.alias)})
+                        {"start": seg.a, "end": seg.b, **_piece_states(seg, masters, states, part.alias),
+                         **({"param": piece_view(seg.lp)} if seg.unit in on_nvme else {})})
                 name = parts.write(f"sg{k:05d}", pieces)
                 del pieces           # the views must not outlive the block (the storages go)
+                for u in units:
+                    pswap.drop(u)
             for _, pc in by_k[k]:
                 pc["part"] = name
         for t in masters:
@@ -240,6 +264,9 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
         by_name.setdefault(s.name, []).append((j, s))
     masters = part.master_params()
     swap = part.swap
+    pswap = getattr(part, "pswap", None)
+    on_nvme = pswap.on_nvme if pswap is not None else set()
+    lp_later: dict[int, list] = {}      # unit on NVMe -> where its pieces' model-dtype values are
     want_opt = load_optimizer_states and optimizer is not None
     filled = [0] * len(segs)
     new_state: list[dict] = [{} for _ in masters]
@@ -257,7 +284,7 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
         d0 = x - seg.a
         full = states.piece_states(name, pc) if load_master or want_opt else pc
         if load_master and not part.alias:
-            val = full.get("master", pc.get("param"))
+            val = full.get("master", full.get("param", pc.get("param")))
             if val is None:
                 raise CheckpointError(f"checkpoint {where}: a piece of {name!r} has no values")
             seg.master(masters)[d0:d0 + (y - x)].copy_(val[src])
@@ -294,20 +321,36 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                     src = slice(x - pc["start"], y - pc["start"])
                     d0 = x - seg.a
                     dst = slice(d0, d0 + (y - x))
-                    if part.alias:     # one tensor: prefer exact fp32 masters when saved
-                        val = pc["param"]
-                        if load_master:
-                            val = states.piece_states(name, pc).get("master", val)
-                        seg.lp[dst].copy_(val[src])
+                    ref = pc.get("part")
+                    source = (1, rank, i) if "param" in pc or not isinstance(ref, str) else (0, ref, 0)
+                    if seg.unit in on_nvme:     # its shard is in a swap file: filled unit by unit
+                        lp_later.setdefault(seg.unit, []).append((source, seg, name, pc["start"], pc["end"], x, y))
+                    elif part.alias:     # one tensor: prefer exact fp32 masters when saved
+                        seg.lp[dst].copy_(_lp_value(states, name, pc, load_master)[src])
                     else:
-                        seg.lp[dst].copy_(pc["param"][src])
+                        seg.lp[dst].copy_(_lp_value(states, name, pc, False)[src])
                     filled[j] += y - x
                     if swap is not None:           # the masters are in swap files: later
-                        ref = pc.get("part")
                         source = (0, ref, 0) if isinstance(ref, str) else (1, rank, i)
                         later[seg.k].append((source, seg, name, pc["start"], pc["end"], x, y))
                     elif not part.alias and load_master or want_opt:
                         fill(seg, name, pc, x, y, new_state[seg.k])
+
+    @contextmanager
+    def shard_in(u):
+        """``u``'s shard in memory for the block; one on NVMe is filled from the checkpoint
+        first (one unit at a time) and written back to its swap file after."""
+        if u.index not in on_nvme:
+            yield
+            return
+        with pswap.writing(u):
+            for (kind, ref, i), seg, name, a, b, x, y in sorted(lp_later.get(u.index, ()), key=lambda e: e[0]):
+                pc = {"start": a, "end": b, "part": ref} if kind == 0 else states.rank_piece(ref, name, i)
+                d0 = x - seg.a
+                seg.lp[d0:d0 + (y - x)].copy_(_lp_value(states, name, pc, part.alias and load_master)[x - a:y - a])
+                del pc
+            states.release()
+            yield
 
     with torch.no_grad():
         for rank, model in states.items():
@@ -320,10 +363,7 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                                       f"of {s.name!r} that this rank needs")
         if swap is not None:
             _fill_swapped(part, states, optimizer, later, new_state, fill, keys if want_opt else {},
-                          load_master)
-        elif not load_master and not part.alias:     # module only: masters follow the loaded weights
-            for u in part.units:
-                u.master.copy_(u.shard)
+                          load_master, shard_in)
         if want_opt:
             need: dict[int, int] = {}
             for s in segs:
@@ -336,13 +376,14 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                     raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
             _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys, groups)
     if swap is None:
-        _publish(part)
+        _publish(part, shard_in, follow=not load_master)    # module only: masters follow the weights
     else:
         part._gather_after_step()       # published sub-group by sub-group in _fill_swapped
     part.zero_grad()
 
 
-def _fill_swapped(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool) -> None:
+def _fill_swapped(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool,
+                  shard_in) -> None:
     """The nvme tier: each sub-group in memory in turn (read, filled, published to the
     model-dtype shards, written back), so loading holds one sub-group's states at a time."""
     swap = part.swap
@@ -371,21 +412,38 @@ def _fill_swapped(part, states, optimizer, later, new_state, fill, keys: dict, l
                 for key in [key for key, v in cur.items() if _elementwise(v, t) and key not in st]:
                     del cur[key]                # a state the checkpoint does not have
                 cur.update(st)
-            if not load_master:                 # module only: masters follow the loaded weights
-                for u in units[k]:
-                    u.master.copy_(u.shard)
             for u in units[k]:
-                u.shard.copy_(u.master)
+                with shard_in(u):               # a shard on NVMe: filled, published, written back
+                    if not load_master:         # module only: masters follow the loaded weights
+                        u.master.copy_(u.shard)
+                    u.shard.copy_(u.master)
 
 
-def _publish(part) -> None:
-    """Masters -> model-dtype shards -> all-gathered as the stage keeps parameters."""
+def _publish(part, shard_in=lambda u: nullcontext(), follow: bool = False) -> None:
+    """Masters -> model-dtype shards -> all-gathered as the stage keeps parameters
+    (``follow``: the other way round first; ``shard_in(u)``: the unit's shard in memory)."""
     part.release_all()
-    if not part.alias:
-        with torch.no_grad():
-            for u in part.units:
-                u.shard.copy_(u.master)
+    with torch.no_grad():
+        for u in part.units:
+            with shard_in(u):
+                if not part.alias:
+                    if follow:
+                        u.master.copy_(u.shard)
+                    u.shard.copy_(u.master)
     part._gather_after_step()
+
+
+def _lp_value(states, name: str, pc: dict, prefer_master: bool) -> torch.Tensor:
+    """A piece's model-dtype values (or its fp32 master, when preferred and saved): in the
+    rank file's piece or, for a shard that was on NVMe, in the part file it names."""
+    val = pc.get("param")
+    if val is None or prefer_master:
+        full = states.piece_states(name, pc)
+        val = full.get("master", full.get("param", val)) if prefer_master else full.get("param", val)
+    if val is None:
+        raise CheckpointError(f"checkpoint {str(getattr(states, 'path', ''))!r}: a piece of {name!r} "
+                              "has no values")
+    return val
 
 
 def _state_buffer(optimizer, master: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:

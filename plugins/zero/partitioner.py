@@ -371,8 +371,8 @@ class FlatPartitioner(Partitioner):
         from zeroplug.checkpoint import active_part_writer
 
         from .checkpointing import export_state
-        if self.swap is None:
-            return export_state(self, optimizer)
+        if self.swap is None:       # parts: only for parameter shards on NVMe (stage 3)
+            return export_state(self, optimizer, parts=parts)
         if parts is None:
             parts = active_part_writer()      # called through an override that does not pass it on
         if parts is not None:

@@ -255,18 +255,20 @@ class Stage3(Stage2):
             for h in handles:
                 h.wait()
 
-    def checkpoint_state(self, optimizer=None, **kw) -> dict:
-        if self.pswap is None:
-            return super().checkpoint_state(optimizer, **kw)
+    def checkpoint_state(self, optimizer=None, parts=None) -> dict:
+        """Parameter shards on NVMe with a ``parts`` writer: read in one sub-group's units at a
+        time, their pieces written into that sub-group's part file (see checkpointing.py).
+        Without one: every shard in and the export copied."""
+        from zeroplug.checkpoint import active_part_writer
+        if self.pswap is not None and parts is None:
+            parts = active_part_writer()
+        if self.pswap is None or parts is not None:
+            return super().checkpoint_state(optimizer, parts=parts)
         from .partitioner import _copy_tensors
         with self.pswap.all_in(write_back=False):     # parameter shards read from their files
-            return _copy_tensors(super().checkpoint_state(optimizer, **kw))
+            return _copy_tensors(super().checkpoint_state(optimizer))
 
-    def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
-        if self.pswap is None:
-            return super().load_checkpoint_state(states, optimizer, **flags)
-        with self.pswap.all_in(write_back=True):
-            super().load_checkpoint_state(states, optimizer, **flags)
+    # load_checkpoint_state: import_state fills a shard on NVMe one unit at a time and writes it back
 
     @contextmanager
     def gathered_params(self):
