@@ -8,7 +8,7 @@ import torch
 
 import zeroplug
 from distributed import run_ranks
-from toy import ToyNet, engine_losses
+from toy import ToyNet, engine_losses, peak_bytes, wide_steps
 
 
 def _cfg(world, swap, param_tier, opt_tier="cpu", max_in_cpu=500):
@@ -138,30 +138,6 @@ class Wide(torch.nn.Module):
         return self.layers(x).float().pow(2).mean()
 
 
-def _peak_bytes(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return out, peak
-
-
-def _wide_steps(engine, seed, n):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        loss = engine(torch.randn(4, W, generator=g))
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
-
-
 def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -175,16 +151,16 @@ def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
     part = e.partitioner
     assert len(part.pswap.on_nvme) == LAYERS
     unit_bytes = UNIT * part.units[0].shard.element_size()
-    _wide_steps(e, 1, 2)
-    path, save = _peak_bytes(lambda: e.save_checkpoint(tmp_path / "ck"))
-    after = _wide_steps(e, 2, 2)
+    wide_steps(e, W, 1, 2)
+    path, save = peak_bytes(lambda: e.save_checkpoint(tmp_path / "ck"))
+    after = wide_steps(e, W, 2, 2)
     torch.manual_seed(5)
     e2 = zeroplug.initialize(Wide(), cfg)
-    _wide_steps(e2, 3, 1)         # optimizer states exist: the load fills them in place
-    _, load = _peak_bytes(lambda: e2.load_checkpoint(tmp_path / "ck"))
-    assert _wide_steps(e2, 2, 2) == after
+    wide_steps(e2, W, 3, 1)         # optimizer states exist: the load fills them in place
+    _, load = peak_bytes(lambda: e2.load_checkpoint(tmp_path / "ck"))
+    assert wide_steps(e2, W, 2, 2) == after
     # what a save did before: every shard in (and everything copied)
-    _, all_in = _peak_bytes(lambda: part.checkpoint_state(e.optimizer))
+    _, all_in = peak_bytes(lambda: part.checkpoint_state(e.optimizer))
     biggest = max(f.stat().st_size for f in Path(path).iterdir())
     print({"unit": unit_bytes, "save": save, "load": load, "all_in": all_in, "biggest file": biggest})
     assert 0.9 * unit_bytes <= save <= 1.5 * unit_bytes

@@ -8,7 +8,7 @@ import torch
 
 import zeroplug
 from distributed import run_ranks
-from toy import ToyNet, engine_losses
+from toy import ToyNet, engine_losses, peak_bytes, wide_steps
 
 STAGES = ["stage1", "stage2", "stage3"]
 
@@ -129,30 +129,6 @@ def _wide_cfg(tier, path):
     return cfg
 
 
-def _wide_steps(engine, seed, n):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        loss = engine(torch.randn(4, W, generator=g))
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
-
-
-def _peak_bytes(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return out, peak
-
-
 def _state_bytes(engine):
     """Host bytes the masters and optimizer states hold now (each storage once)."""
     part = engine.partitioner
@@ -170,17 +146,17 @@ def test_nvme_checkpoint_peak_host_memory_is_one_sub_group(tmp_path):
         torch.manual_seed(0)
         e = zeroplug.initialize(Wide(), _wide_cfg(tier, str(swap)))
         assert len(e.partitioner.master_params()) == LAYERS
-        _wide_steps(e, 1, 2)
+        wide_steps(e, W, 1, 2)
         held = _state_bytes(e)
-        path, save_peak = _peak_bytes(lambda: e.save_checkpoint(tmp_path / tier))
-        after = _wide_steps(e, 2, 2)
+        path, save_peak = peak_bytes(lambda: e.save_checkpoint(tmp_path / tier))
+        after = wide_steps(e, W, 2, 2)
         torch.manual_seed(5)
         e2 = zeroplug.initialize(Wide(), _wide_cfg(tier, str(swap)))
-        _, load_peak = _peak_bytes(lambda: e2.load_checkpoint(tmp_path / tier))
-        assert _wide_steps(e2, 2, 2) == after, tier            # and the load is exact
+        _, load_peak = peak_bytes(lambda: e2.load_checkpoint(tmp_path / tier))
+        assert wide_steps(e2, W, 2, 2) == after, tier            # and the load is exact
         res[tier] = dict(held=held, save=save_peak, load=load_peak, path=path)
         if tier == "nvme":     # the in-memory export (no part writer) for comparison: all in + a copy
-            _, res["nvme_all_in"] = _peak_bytes(lambda: e.partitioner.checkpoint_state(e.optimizer))
+            _, res["nvme_all_in"] = peak_bytes(lambda: e.partitioner.checkpoint_state(e.optimizer))
         e.close()
         e2.close()
     total = LAYERS * SG_BYTES

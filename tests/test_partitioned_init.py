@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from toy import ToyNet, batches
+from toy import ToyNet, batches, peak_bytes
 
 WORLD = 2
 LAYERS, WIDTH = 8, 1024          # 8 x Linear(1024, 1024): 33.6 MB of fp32 parameters
@@ -43,20 +43,6 @@ def _config(precision="fp32", **zero):
             "optimizer": {"plugin": "adamw", "lr": LR, "weight_decay": WD},
             "batch": {"micro_batch_size": GLOBAL_BATCH // WORLD, "steps_per_print": 10_000},
             "monitor": {"plugin": "none"}}
-
-
-def peak_bytes(fn):
-    """(result, peak live tensor bytes above the start) of ``fn()``, from allocator events."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return out, peak
 
 
 def _state(sd):

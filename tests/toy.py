@@ -87,3 +87,31 @@ def train_steps(engine, data, n):
         engine.step()
         out.append(loss.item())
     return out
+
+
+def peak_bytes(fn):
+    """(result, peak live tensor bytes above the start) of ``fn()``, from the allocator's
+    events as torch's profiler records them (RSS and tracemalloc do not see torch's CPU
+    allocations precisely)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return out, peak
+
+
+def wide_steps(engine, width, seed, n):
+    """``n`` steps of a model whose forward takes a (4, width) float batch and returns a loss."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        loss = engine(torch.randn(4, width, generator=g))
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
