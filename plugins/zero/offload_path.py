@@ -10,9 +10,11 @@ Timeline of one step on a GPU::
 
 Note: the global gradient norm (clipping) and the overflow flag need every gradient,
 so the CPU step starts after backward: the "safe overlap" of issue D. Stepping
-sub-groups during backward would need to speculate and roll back on a clipped or
-overflowed step; with clipping at 1.0 most steps clip, so the speculation would
-nearly always be wrong for the workload of the benchmarks. Not done.
+sub-groups during backward would mean speculating that the step is not clipped and
+not overflowed, keeping the pre-step states to redo the step when it is (one more
+copy of master, m and v: 12 bytes per element). How often the speculation would hold
+on the benchmark workload was not measured (a char-level run's norm fell below 1.0
+after about 40 steps). Not done.
 
 Note: on a CPU-only run the same code runs with synchronous copies, which is how CI
 tests it against the in-memory path.
