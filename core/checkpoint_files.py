@@ -58,15 +58,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj, path) -> None:
-    """``torch.save`` to ``path`` so that a crash leaves either the old file or the new one."""
+def _atomic_write(path, write, mode: str) -> None:
+    """``write(f)`` into ``path`` so that a crash leaves either the old file or the new one
+    (temporary file, fsync, rename, fsync the directory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        os.fchmod(fd, 0o644)          # mkstemp's 0600 would hide it from other users
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -74,23 +75,16 @@ def atomic_torch_save(obj, path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_torch_save(obj, path) -> None:
+    """``torch.save`` to ``path`` atomically."""
+    _atomic_write(path, lambda f: torch.save(obj, f), "wb")
 
 
 def atomic_write_text(path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename, fsync the directory)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)          # mkstemp's 0600 would hide it from other users
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``text`` to ``path`` atomically."""
+    _atomic_write(path, lambda f: f.write(text), "w")
 
 
 def load(path, map_location="cpu", mmap: bool = False):

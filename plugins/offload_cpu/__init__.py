@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroplug import hookimpl
-from zeroplug.errors import ConfigError, HostMemoryError
+from zeroplug.errors import HostMemoryError
 from zeroplug.memory import GB, host_available_bytes
 from zeroplug.options import opt
 from zeroplug.slots import OffloadDevice
@@ -79,16 +79,6 @@ class CPUOffload(OffloadDevice):
             t = self._registered.pop()
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
-    @classmethod
-    def check_config(cls, config, choice):
-        if choice.path == "offload.param" and config.slot("zero").name != "stage3":
-            raise ConfigError("offload.param.plugin = \"cpu\" needs zero.plugin = \"stage3\" (only stage 3 "
-                              "shards parameters); offload the optimizer with [offload.optimizer] instead",
-                              key="offload.param.plugin")
-        if choice.path == "offload.param" and config.slot("offload.optimizer").name == "none":
-            raise ConfigError("offload.param.plugin = \"cpu\" needs the optimizer offloaded too: add "
-                              "[offload.optimizer] plugin = \"cpu\" (the fp32 masters update the host shards)",
-                              key="offload.param.plugin")
 
 
 @hookimpl

@@ -186,15 +186,6 @@ class NVMeOffload(OffloadDevice):
             self._swapper.close()
             self._swapper = None
 
-    @classmethod
-    def check_config(cls, config, choice):
-        if choice.path == "offload.param" and config.slot("zero").name != "stage3":
-            raise ConfigError("offload.param.plugin = \"nvme\" needs zero.plugin = \"stage3\" (only stage 3 "
-                              "shards parameters); offload the optimizer with [offload.optimizer] instead",
-                              key="offload.param.plugin")
-        if choice.path == "offload.param" and config.slot("offload.optimizer").name == "none":
-            raise ConfigError("offload.param.plugin = \"nvme\" needs the optimizer offloaded too: add "
-                              "[offload.optimizer] plugin = \"cpu\" or \"nvme\"", key="offload.param.plugin")
 
 
 @hookimpl

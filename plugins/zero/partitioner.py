@@ -393,6 +393,18 @@ class FlatPartitioner(Partitioner):
     @classmethod
     def check_config(cls, config, choice) -> None:
         import logging
+
+        from zeroplug.errors import ConfigError
+        # Note: these are rules of the partitioner, whichever tier holds the parameters
+        param = config.slot("offload.param").name
+        if param != "none" and not cls.shard_params:
+            raise ConfigError(f"offload.param.plugin = \"{param}\" needs zero.plugin = \"stage3\" (only stage 3 "
+                              "shards parameters); offload the optimizer with [offload.optimizer] instead",
+                              key="offload.param.plugin")
+        if param != "none" and config.slot("offload.optimizer").name == "none":
+            raise ConfigError(f"offload.param.plugin = \"{param}\" needs the optimizer offloaded too: add "
+                              "[offload.optimizer] plugin = \"cpu\" or \"nvme\" (the fp32 masters update the "
+                              "host shards)", key="offload.param.plugin")
         if cls.stage < 3:
             given = [k for k in config.raw.get("zero", {}) if k.startswith("stage3_")]
             if given:
