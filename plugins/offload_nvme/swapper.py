@@ -145,6 +145,7 @@ class AsyncSwapper:
         self._pending: set[_CFuture] = set()
         self._errors: list[_CFuture] = []          # failed, not yet seen by wait()/wait_all()
         self._files = 0
+        self.bytes_written = self.bytes_read = 0   # issued so far (benchmarks: the I/O floor)
         self._loop = None
         self._io = self._copy = None
         self._buffers: list[torch.Tensor] = []
@@ -216,6 +217,7 @@ class AsyncSwapper:
                 hint = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key))[:60]
                 path = self._names[key] = os.path.join(self._dir, f"{self._files:06d}-{hint}.swp")
             self._sizes[key] = src.numel()
+            self.bytes_written += src.numel()
             return self._submit(key, self._write(key, path, src, self._last.get(key)), src.numel())
 
     def read(self, key: Hashable, out: torch.Tensor) -> SwapFuture:
@@ -229,6 +231,7 @@ class AsyncSwapper:
             if size != dst.numel():
                 raise ValueError(f"AsyncSwapper.read({key!r}): the destination has {dst.numel()} bytes "
                                  f"but {size} were written")
+            self.bytes_read += dst.numel()
             return self._submit(key, self._read(key, dst, self._last.get(key)), dst.numel())
 
     def wait_all(self) -> None:

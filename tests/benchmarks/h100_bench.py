@@ -70,6 +70,27 @@ def phases(engine, x, y) -> dict:
     return {k: round(v, 4) for k, v in t.items()}
 
 
+def swap_bytes(engine) -> tuple[int, int]:
+    """(read, written) bytes issued so far by the engine's NVMe swappers."""
+    r = w = 0
+    part = getattr(engine, "partitioner", None)
+    for tier in {id(t): t for t in (getattr(part, "offload_optimizer", None),
+                                    getattr(part, "offload_param", None)) if t is not None}.values():
+        sw = getattr(tier, "_swapper", None)
+        if sw is not None:
+            r, w = r + sw.bytes_read, w + sw.bytes_written
+    return r, w
+
+
+def disk_bandwidth(path: str, gib: float = 2.0) -> tuple[float, float]:
+    """dd's O_DIRECT write and read bytes/s at ``path``, in this run (the I/O floor's denominator)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from swapper_vs_dd import run_dd
+    os.makedirs(path, exist_ok=True)
+    return run_dd(path, max(1, int(gib * 16)))
+
+
 def workload(args) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -89,6 +110,8 @@ def workload(args) -> dict:
         if args.offload_param == "nvme":
             os.makedirs(args.nvme_path, exist_ok=True)
             cfg["offload"]["param"]["nvme_path"] = args.nvme_path
+    nvme = "nvme" in (args.offload_optimizer, args.offload_param)
+    bw = disk_bandwidth(args.nvme_path) if nvme and rank == 0 else None
     mcfg, model = build(args, cfg)
     nparams = param_count(mcfg)
     if args.baseline == "torch":
@@ -110,15 +133,18 @@ def workload(args) -> dict:
             engine.backward(loss)
             engine.step()
     g = torch.Generator(device=dev).manual_seed(rank)
-    times = []
+    times, moved = [], []
     for i in range(args.steps):
         x = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq), device=dev, generator=g)
         y = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq), device=dev, generator=g)
         torch.cuda.synchronize()
+        b0 = swap_bytes(engine) if args.baseline is None else (0, 0)
         t0 = time.perf_counter()
         step(x, y)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        b1 = swap_bytes(engine) if args.baseline is None else (0, 0)
+        moved.append((b1[0] - b0[0], b1[1] - b0[1]))
     med = statistics.median(times[2:])
     tps = args.micro_batch * args.seq / med
     res = {"model": args.model, "params": nparams, "zero": args.baseline or args.zero, "world": world,
@@ -126,6 +152,14 @@ def workload(args) -> dict:
            "tflops_per_gpu": tps * flops_per_token(mcfg, args.seq) / 1e12,   # includes the 4/3 recompute
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "rss_gib": host_rss_bytes() / GB,
            "peak_rss_gib": peak_rss() / GB, "times": times}
+    if bw is not None:
+        rd, wr = moved[-1]
+        floor = rd / bw[1] + wr / bw[0]
+        res["io"] = {"read_bytes_per_step": rd, "write_bytes_per_step": wr, "dd_write_Bps": bw[0],
+                     "dd_read_Bps": bw[1], "io_floor_s": floor, "step_over_floor": med / floor if floor else None}
+        print(f"IO per step: read {rd / 1e9:.2f} GB, written {wr / 1e9:.2f} GB; dd in this run: write "
+              f"{bw[0] / 1e9:.2f} GB/s, read {bw[1] / 1e9:.2f} GB/s; I/O floor (read/dd_read + write/dd_write) "
+              f"{floor:.2f} s; step {med:.2f} s = {med / floor if floor else float('nan'):.2f} x floor", flush=True)
     if rank == 0 and res["phases"]:
         print("PHASES", json.dumps(res["phases"]), flush=True)
     if rank == 0:

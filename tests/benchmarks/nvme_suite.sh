@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call for issue E's numbers (the H100 machine). Logs in $OUT (default ./bench_out).
+# Usage: bash tests/benchmarks/nvme_suite.sh [nvme_path]
+set -u
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+P=${1:-/root/zeroplug_nvme}; mkdir -p "$P"
+export PYTHONUNBUFFERED=1
+B=tests/benchmarks/h100_bench.py
+left() { echo "left in $P: $(find "$P" -type f | wc -l) files, $(find "$P" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}') bytes"; }
+echo "== swapper vs dd, 4 GiB each way"
+timeout 240 python3 tests/benchmarks/swapper_vs_dd.py --path "$P" --gib 4 2>&1 | tee "$OUT/swapper_vs_dd.txt"
+left
+echo "== 350M, stage 3, parameters on CPU, optimizer states on NVMe (pipelined: the default)"
+timeout 240 python3 $B workload --model 350M --zero stage3 --offload-optimizer nvme --offload-param cpu \
+  --nvme-path "$P" --steps 6 --json "$OUT/nvme_350M.json" 2>&1 | grep -E "RESULT|IO per|PHASES|Error|error" | tee "$OUT/nvme_350M.txt"
+left
+echo "== the same run killed with SIGTERM after 40 s"
+timeout -s TERM 40 python3 $B workload --model 350M --zero stage3 --offload-optimizer nvme --offload-param cpu \
+  --nvme-path "$P" --steps 50 2>&1 | tail -2; echo "exit $?"
+sleep 1; left
