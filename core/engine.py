@@ -134,10 +134,12 @@ class Engine:
             if clip > 0 and norm > clip:
                 factor *= clip / (norm + 1e-6)
             self._set_lr(lr)
-            fused = getattr(self.optimizer, "defaults", {}).get("fused")
+            fused = (getattr(self.optimizer, "defaults", {}).get("fused")
+                     or getattr(self.optimizer, "takes_grad_scale", False))
             if factor != 1.0 and fused:
-                # Note: torch's fused Adam/AdamW/SGD divide each gradient by grad_scale inside
-                # their one pass; that saves a read and a write of every gradient.
+                # Note: torch's fused Adam/AdamW/SGD (and cpu_adam) divide each gradient by
+                # grad_scale inside their one pass; that saves a read and a write of every
+                # gradient (on an offloaded 1.3B model, ~11 GB of host memory traffic a step).
                 self.optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32,
                                                          device=self.offload_optimizer.device)
             elif factor != 1.0:

@@ -161,6 +161,49 @@ def test_grad_scale(impl):
     _close(opt.state[b]["exp_avg_sq"], ref.state[a]["exp_avg_sq"])
 
 
+def test_grad_scale_attribute_divides_like_torch_fused(impl):
+    """``opt.grad_scale`` (set around ``step()``) divides gradients, as for torch's fused AdamW."""
+    n = SIZES[impl][-1]
+    (init,) = _params([n])
+    a = torch.nn.Parameter(init.clone())
+    b = torch.nn.Parameter(init.clone())
+    ref = torch.optim.AdamW([a], lr=1e-2, weight_decay=0.1)
+    opt = CPUAdam([b], lr=1e-2, weight_decay=0.1, impl=impl)
+    for i, s in enumerate((4.0, 0.5, 1.0)):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(i))
+        a.grad, b.grad = g / s, g.clone()
+        ref.step()
+        opt.grad_scale = torch.tensor(s)
+        opt.step()
+        opt.grad_scale = None
+    assert torch.equal(b.grad, g)            # the gradient itself is not touched
+    _close(b.detach(), a.detach())
+    _close(opt.state[b]["exp_avg_sq"], ref.state[a]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("lp_dtype", [torch.bfloat16, torch.float32])
+def test_lp_out_pieces_equal_one_buffer(impl, lp_dtype):
+    """lp_out as a list of pieces (a sub-group's unit shards) gets what one buffer gets."""
+    n = SIZES[impl][-1] + 3000
+    cuts = [0, 1, 2000, n // 2, n]
+    (init,) = _params([n])
+    a, b = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    oa, ob = CPUAdam([a], lr=1e-2, impl=impl), CPUAdam([b], lr=1e-2, impl=impl)
+    one = torch.empty(n, dtype=lp_dtype)
+    store = torch.full((n + 10,), 7.0, dtype=lp_dtype)          # pieces in another layout
+    pieces = [store[x + 2:y + 2] for x, y in zip(cuts, cuts[1:])]
+    for i in range(3):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        oa.step_param(a, g, lp_out=one, grad_scale=0.5)
+        ob.step_param(b, g, lp_out=pieces, grad_scale=0.5)
+    assert torch.equal(a.detach(), b.detach())
+    assert torch.equal(torch.cat(pieces), one)
+    assert torch.equal(one, b.detach().to(lp_dtype))             # the rounding of the fp32 parameter
+    assert store[:2].eq(7).all() and store[n + 2:].eq(7).all()   # nothing outside the pieces
+    with pytest.raises(ValueError, match="pieces"):
+        ob.step_param(b, g, lp_out=pieces[:-1])
+
+
 def test_eager_chunk_boundaries(monkeypatch):
     """Converted / lp paths walk the tensor in chunks: sizes around chunk multiples."""
     monkeypatch.setattr(ck, "_EAGER_CHUNK_PER_THREAD", 64)

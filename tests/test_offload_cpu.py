@@ -14,9 +14,9 @@ STAGES = ["stage1", "stage2", "stage3"]
 TOL = {"fp32": 1e-6, "bf16": 2e-3}
 
 
-def _cfg(stage, prec, offload, gas=1, world=1, params=False):
+def _cfg(stage, prec, offload, gas=1, world=1, params=False, optimizer="adamw"):
     cfg = {"zero": {"plugin": stage, "reduce_bucket_size": 500, "sub_group_size": 700},
-           "precision": {"plugin": prec}, "optimizer": {"plugin": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+           "precision": {"plugin": prec}, "optimizer": {"plugin": optimizer, "lr": 1e-2, "weight_decay": 0.01},
            "batch": {"micro_batch_size": 8 // world // gas, "gradient_accumulation_steps": gas,
                      "gradient_clipping": 0.5},
            "monitor": {"plugin": "none"}}
@@ -38,6 +38,11 @@ def _all(rank, world):
                     assert eng.optimizer.param_groups[0]["params"][0].device.type == "cpu"
                     assert len(eng.optimizer.param_groups) > 1          # sub-groups step one by one
                 out[(stage, prec, gas, off)] = (losses, eng.consolidated_state_dict())
+            if gas == 1:     # cpu_adam: grad_scale and the model-dtype copy inside its own pass
+                losses, eng = engine_losses(ToyNet, 10, 8, _cfg(stage, prec, True, 1, world, optimizer="cpu_adam"),
+                                            rank, world)
+                assert type(eng.optimizer).__name__ == "CPUAdam"
+                out[(stage, prec, 1, "cpu_adam")] = (losses, eng.consolidated_state_dict())
     for prec in ("fp32", "bf16"):     # stage 3 with the parameters offloaded too
         losses, eng = engine_losses(ToyNet, 10, 8, _cfg("stage3", prec, True, 1, world, params=True), rank, world,
                                     use_init=prec == "bf16")
@@ -45,6 +50,9 @@ def _all(rank, world):
         assert part.params_offloaded and all(u.sharded_params for u in part.units)
         assert all(u.state == "free" for u in part.units if not u.persistent)
         out[("stage3-param", prec)] = (losses, eng.consolidated_state_dict())
+        losses, eng = engine_losses(ToyNet, 10, 8, _cfg("stage3", prec, True, 1, world, params=True,
+                                                        optimizer="cpu_adam"), rank, world)
+        out[("stage3-param-cpu_adam", prec)] = (losses, eng.consolidated_state_dict())
     return out
 
 
@@ -64,10 +72,25 @@ def test_offload_matches_in_memory(results, stage, prec, gas):
         assert torch.allclose(sd0[k].float(), sd1[k].float(), rtol=0, atol=tol if prec == "fp32" else 2e-2), k
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])
-def test_param_offload_matches_in_memory(results, prec):
+def test_cpu_adam_offload_matches_in_memory(results, stage, prec):
+    """cpu_adam on the offloaded shards (clip factor as grad_scale, model-dtype copy written
+    by its kernel) against torch AdamW in GPU-style memory."""
     world, res = results
-    (l0, sd0), (l1, sd1) = res[("stage3", prec, 1, False)], res[("stage3-param", prec)]
+    (l0, sd0), (l1, sd1) = res[(stage, prec, 1, False)], res[(stage, prec, 1, "cpu_adam")]
+    tol = TOL[prec]
+    assert max(abs(a - b) / abs(a) for a, b in zip(l0, l1)) <= tol
+    for k in sd0:
+        assert torch.allclose(sd0[k].float(), sd1[k].float(), rtol=0, atol=tol if prec == "fp32" else 2e-2), k
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "cpu_adam"])
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_param_offload_matches_in_memory(results, prec, optimizer):
+    world, res = results
+    key = ("stage3-param", prec) if optimizer == "adamw" else ("stage3-param-cpu_adam", prec)
+    (l0, sd0), (l1, sd1) = res[("stage3", prec, 1, False)], res[key]
     assert max(abs(a - b) / abs(a) for a, b in zip(l0, l1)) <= TOL[prec]
     for k in sd0:
         assert torch.allclose(sd0[k].float(), sd1[k].float(), rtol=0, atol=TOL[prec] if prec == "fp32" else 2e-2), k

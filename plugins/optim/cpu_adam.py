@@ -54,7 +54,13 @@ class CPUAdam(torch.optim.Optimizer):
 
     State uses torch's names (``step`` as a float32 0-dim tensor, ``exp_avg``,
     ``exp_avg_sq``) so that state dicts load into ``torch.optim.AdamW`` and back.
+
+    ``grad_scale`` (a 0-dim tensor or None, set by the caller around ``step()``) means
+    what it means for torch's fused optimizers: every gradient is divided by it, inside
+    the one pass (the engine folds loss-scale unscaling and clipping into it).
     """
+
+    takes_grad_scale = True     # the engine may set grad_scale instead of scaling gradients
 
     def __init__(
         self,
@@ -93,17 +99,19 @@ class CPUAdam(torch.optim.Optimizer):
         self._group_of: dict[int, tuple] = {}
         self._tls = threading.local()
         self._state_lock = threading.Lock()
+        self.grad_scale: torch.Tensor | None = None
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("impl", "auto")
+        self.grad_scale = None
         self._group_of = {}
         self._tls = threading.local()
         self._state_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         d = super().__getstate__()
-        for k in ("_group_of", "_tls", "_state_lock"):
+        for k in ("_group_of", "_tls", "_state_lock", "grad_scale"):
             d.pop(k, None)
         return d
 
@@ -164,11 +172,16 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        mult = self.grad_multiplier()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step(p, group, p.grad, None, 1.0)
+                    self._step(p, group, p.grad, None, mult)
         return loss
+
+    def grad_multiplier(self) -> float:
+        """What gradients are multiplied by in this step: 1 / grad_scale (1 when unset)."""
+        return 1.0 if self.grad_scale is None else 1.0 / float(self.grad_scale)
 
     @torch.no_grad()
     def step_param(
@@ -181,9 +194,12 @@ class CPUAdam(torch.optim.Optimizer):
         """Step one parameter (sub-group) in one fused pass.
 
         ``grad`` defaults to ``p.grad``; fp32, bf16 or fp16, converted inside the pass and
-        multiplied by ``grad_scale``.  ``lp_out`` (bf16/fp16/fp32, ``p.numel()`` elements)
-        receives the updated parameter rounded to its dtype in the same pass.  Safe to
-        call from a worker thread while other parameters' gradients are still arriving.
+        multiplied by ``grad_scale`` (a multiplier, unlike the ``grad_scale`` attribute).
+        ``lp_out`` (bf16/fp16/fp32, ``p.numel()`` elements) receives the updated parameter
+        rounded to its dtype in the same pass; it may also be a list of contiguous tensors
+        of one dtype that together hold ``p.numel()`` elements, filled in order (the
+        parameter shards of the units a sub-group spans).  Safe to call from a worker
+        thread while other parameters' gradients are still arriving.
         """
         if grad is None:
             grad = p.grad
@@ -200,10 +216,18 @@ class CPUAdam(torch.optim.Optimizer):
             raise TypeError(f"cpu_adam: grad must be fp32/bf16/fp16 on CPU, got {grad.dtype}")
         if grad.numel() != p.numel():
             raise ValueError(f"cpu_adam: grad has {grad.numel()} elements, param {p.numel()}")
+        pieces = None
+        if isinstance(lp_out, (list, tuple)):
+            pieces = list(lp_out)
+            if (not pieces or len({t.dtype for t in pieces}) != 1 or any(not t.is_contiguous() for t in pieces)
+                    or sum(t.numel() for t in pieces) != p.numel()):
+                raise ValueError("cpu_adam: lp_out pieces must be contiguous tensors of one dtype "
+                                 "holding p.numel() elements together")
+            lp_out = pieces[0]
         if lp_out is not None and (
             lp_out.dtype not in _LP_DTYPES
-            or lp_out.numel() != p.numel()
-            or lp_out.device.type != "cpu"
+            or (pieces is None and lp_out.numel() != p.numel())
+            or any(t.device.type != "cpu" for t in (pieces or [lp_out]))
         ):
             raise ValueError("cpu_adam: lp_out must be a CPU bf16/fp16/fp32 tensor of p.numel()")
         n = p.numel()
@@ -232,8 +256,29 @@ class CPUAdam(torch.optim.Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         mf, mc = _flat(m)
         vf, vc = _flat(v)
-        lpf, lpc = _flat(lp_out) if lp_out is not None else (None, True)
+        if pieces is not None:      # one kernel call per piece, the same step for all
+            lp_out, lpc, s0 = None, True, 0
+            for t in pieces:
+                e = s0 + t.numel()
+                small = t.numel() < _MIN_COMPILE_NUMEL and self.impl != "compile"  # call overhead
+                self._kernel(None if small else fn, pf[s0:e], gf[s0:e], mf[s0:e], vf[s0:e], t.view(-1), step_t, hp,
+                             bias_correction, grad_scale)
+                s0 = e
+        else:
+            lpf, lpc = _flat(lp_out) if lp_out is not None else (None, True)
+            self._kernel(fn, pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale)
+        # Non-contiguous tensors were stepped through contiguous copies: write back.
+        if not pc:
+            p.detach().copy_(pf.view_as(p))
+        if not mc:
+            m.copy_(mf.view_as(m))
+        if not vc:
+            v.copy_(vf.view_as(v))
+        if not lpc:
+            lp_out.copy_(lpf.view_as(lp_out))
 
+    def _kernel(self, fn, pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale) -> None:
+        """The update of flat contiguous views: compiled ``fn`` or, failing that, eager."""
         if fn is not None:
             sc = _scalars(hp, float(step_t.item()), bias_correction, grad_scale)
             try:
@@ -255,15 +300,6 @@ class CPUAdam(torch.optim.Optimizer):
             if scratch is None:
                 scratch = self._tls.scratch = {}
             _eager_update(pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale, scratch)
-        # Non-contiguous tensors were stepped through contiguous copies: write back.
-        if not pc:
-            p.detach().copy_(pf.view_as(p))
-        if not mc:
-            m.copy_(mf.view_as(m))
-        if not vc:
-            v.copy_(vf.view_as(v))
-        if not lpc:
-            lp_out.copy_(lpf.view_as(lp_out))
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -39,7 +39,8 @@ class OffloadPath:
         for u in part.units:
             self.unit_offsets.append(off)
             off += u.hi - u.lo
-        self.staging: list[torch.Tensor] = []
+        self.staging: list[torch.Tensor] = []        # device fp32 ring (master copied, then cast)
+        self.host_staging: list[torch.Tensor] = []   # host model-dtype ring (written by step_param)
         self.events: dict[int, torch.cuda.Event] = {}
 
     # -- backward: one unit's reduced gradient -----------------------------------------
@@ -77,14 +78,28 @@ class OffloadPath:
     def step(self, optimizer, ranges: list[tuple[int, int]]) -> None:
         groups = optimizer.param_groups
         masters = self.part.master_params()
+        # Note: an optimizer with step_param (cpu_adam) writes the model-dtype copy in its
+        # own pass: straight into host shards, or into a pinned staging buffer that goes
+        # up at 2 bytes per element; otherwise the fp32 master is copied and cast.
+        fused = hasattr(optimizer, "step_param") and getattr(self.part, "pswap", None) is None
+        mult = optimizer.grad_multiplier() if fused else 1.0
+        if self.cuda:
+            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
 
         def step_one(k: int) -> None:
+            a, b = ranges[k]
+            if fused:
+                lp = self._lp_target(k, a, b)
+                optimizer.step_param(masters[k], lp_out=lp, grad_scale=mult)
+                if not isinstance(lp, list):
+                    self._upload(lp, a, b, k)
+                return
             optimizer.param_groups = [groups[k]]      # step this sub-group only
             try:
                 optimizer.step()
             finally:
                 optimizer.param_groups = groups
-            self.publish(masters[k], ranges[k][0], k)
+            self.publish(masters[k], a, k)
 
         if self.part.swap is not None:
             self.part.swap.step(optimizer, step_one, self.publish_done)
@@ -93,6 +108,32 @@ class OffloadPath:
                 step_one(k)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+
+    def _pieces(self, a: int, b: int):
+        """(unit, unit offset x, unit offset y, master offset) for master range [a, b)."""
+        for u, off in zip(self.part.units, self.unit_offsets):
+            x, y = max(a, off), min(b, off + u.hi - u.lo)
+            if x < y:
+                yield u, x - off, y - off, x - a
+
+    def _lp_target(self, k: int, a: int, b: int):
+        """Where sub-group k's model-dtype values go: the host shards themselves (a list of
+        slices), or the staging buffer its upload reads (a tensor)."""
+        if self.part.units[0].shard.device.type == "cpu":
+            return [u.shard[x:y] for u, x, y, _ in self._pieces(a, b)]
+        size = max(hi - lo for lo, hi in self.part.sub_group_ranges)
+        while len(self.host_staging) < 2:
+            self.host_staging.append(self.part.offload_optimizer.empty(size, self.part.pdtype))
+        prev = self.events.pop(("staging", k % 2), None)
+        if prev is not None:
+            prev.synchronize()       # the upload of sub-group k - 2 read this buffer
+        return self.host_staging[k % 2][:b - a]
+
+    def _upload(self, src: torch.Tensor, a: int, b: int, k: int) -> None:
+        with torch.cuda.stream(self.h2d):
+            for u, x, y, s in self._pieces(a, b):
+                u.shard[x:y].copy_(src[s:s + y - x], non_blocking=True)
+            self.events[("staging", k % 2)] = self.h2d.record_event()
 
     def _staging(self, k: int, n: int) -> torch.Tensor:
         size = max(b - a for a, b in self.part.sub_group_ranges)
@@ -119,13 +160,10 @@ class OffloadPath:
             event.synchronize()
 
     def _scatter(self, src: torch.Tensor, a: int, b: int) -> None:
-        for u, off in zip(self.part.units, self.unit_offsets):
-            n = u.hi - u.lo
-            x, y = max(a, off), min(b, off + n)
-            if x < y:
-                pswap = getattr(self.part, "pswap", None)
-                if pswap is None:
-                    u.shard[x - off:y - off].copy_(src[x - a:y - a])
-                    continue
-                with pswap.writing(u):      # a shard on NVMe: fill a host copy, write it back
-                    u.shard[x - off:y - off].copy_(src[x - a:y - a])
+        pswap = getattr(self.part, "pswap", None)
+        for u, x, y, s in self._pieces(a, b):
+            if pswap is None:
+                u.shard[x:y].copy_(src[s:s + y - x])
+                continue
+            with pswap.writing(u):      # a shard on NVMe: fill a host copy, write it back
+                u.shard[x:y].copy_(src[s:s + y - x])
