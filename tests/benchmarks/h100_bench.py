@@ -230,7 +230,7 @@ def main():
     p.add_argument("--offload-param", choices=["cpu", "nvme"], default=None, help="stage 3, with --offload-optimizer")
     p.add_argument("--nvme-path", default="/root/zeroplug_swap", help="swap directory for the nvme tier")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--optimizer", default="adamw", help="optimizer plugin with --offload-optimizer")
+    p.add_argument("--optimizer", default="auto", help="optimizer plugin with --offload-optimizer (auto: cpu_adam)")
     p.add_argument("--bucket", type=float, default=1e8, help="reduce_bucket_size with offload")
     p.add_argument("--sub-group", type=float, default=1e8, help="sub_group_size with offload")
     p.add_argument("--micro-batch", type=int, default=8)
