@@ -55,6 +55,15 @@ def timed(fn, t: dict, key: str):
     return g
 
 
+def host_timed(fn, t: dict, key: str):
+    def g(*a, **k):
+        t0 = time.perf_counter()
+        r = fn(*a, **k)
+        t[key] = t.get(key, 0.0) + time.perf_counter() - t0
+        return r
+    return g
+
+
 def phases(engine, x, y) -> dict:
     """One more step with a sync at each phase boundary (slightly slower than the timed ones)."""
     if engine is None:
@@ -63,6 +72,13 @@ def phases(engine, x, y) -> dict:
     part = engine.partitioner
     part.finish_gradients = timed(part.finish_gradients, t, "wait_d2h_and_reductions")
     part.step_optimizer = timed(part.step_optimizer, t, "optimizer_step_and_h2d")
+    opt = engine.optimizer
+    if hasattr(opt, "step_param"):       # the CPU kernels alone (no sync: they run on the host)
+        opt.step_param = host_timed(opt.step_param, t, "cpu_adam_kernels")
+    swap = getattr(part, "swap", None)
+    if swap is not None:                 # time blocked on NVMe reads / writes
+        swap.finish_in = host_timed(swap.finish_in, t, "nvme_wait_read")
+        swap.finish_out = host_timed(swap.finish_out, t, "nvme_wait_write")
     loss = timed(engine, t, "forward")(x, y)
     timed(engine.backward, t, "backward_incl_overlapped_d2h")(loss)
     timed(engine.step, t, "step_total")()
@@ -103,6 +119,8 @@ def workload(args) -> dict:
         if args.offload_optimizer == "nvme":
             os.makedirs(args.nvme_path, exist_ok=True)
             cfg["offload"]["optimizer"]["nvme_path"] = args.nvme_path
+        if args.aio:
+            cfg["aio"] = {k: int(v) for k, v in (kv.split("=") for kv in args.aio)}
         cfg["optimizer"]["plugin"] = args.optimizer
         cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
     if args.offload_param:
@@ -235,6 +253,7 @@ def main():
     p.add_argument("--sub-group", type=float, default=1e8, help="sub_group_size with offload")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--aio", nargs="*", default=[], help="[aio] settings for the nvme tier, e.g. queue_depth=32")
     p.add_argument("--json")
     args = p.parse_args()
     if "LOCAL_RANK" in os.environ:
