@@ -250,6 +250,7 @@ class Engine:
 
     def close(self) -> None:
         """Release offload files and buffers; monitors flush."""
+        self.partitioner.wait_optimizer()
         for m in self.monitors:
             m.close()
         self._mover.close()

@@ -153,7 +153,8 @@ class Partitioner:
         finish_gradients()          # wait for reductions; master .grad ready
         grad_norm_sq()              # global squared norm of the master grads
         [engine sets the unscale x clip factor]
-        step_optimizer(optimizer)   # step masters, publish model parameters (+ all-gather)
+        step_optimizer(optimizer)   # step masters, publish model parameters (+ all-gather);
+                                    # may return with the step still running (see wait_optimizer)
         zero_grad()
     """
     @dataclass(frozen=True)
@@ -194,6 +195,11 @@ class Partitioner:
 
     def release_all(self) -> None:
         """Drop every gathered or prefetched copy (stage 3); a no-op elsewhere."""
+
+    def wait_optimizer(self) -> None:
+        """Block until a step that ``step_optimizer`` left running is finished (raising its
+        error). The partitioner calls it before anything reads its states; the engine calls
+        it before close and checkpoints. A no-op when steps finish inside step_optimizer."""
 
     def consolidated_state_dict(self, module: torch.nn.Module) -> dict | None:
         """The full model state dict on rank 0 (None on other ranks)."""

@@ -16,10 +16,22 @@ copy of master, m and v: 12 bytes per element). How often the speculation would 
 on the benchmark workload was not measured (a char-level run's norm fell below 1.0
 after about 40 steps). Not done.
 
+Note: the next forward does not wait for the whole step (stage 3, ``overlap_step``):
+the CPU steps sub-groups in forward order on a worker thread and engine.step()
+returns at once. A unit is gathered only after its sub-group is stepped and
+published, a gradient is copied into a sub-group's buffer only after that sub-group
+has stepped, and anything else that reads the states (checkpoints, offload_states,
+gathered_params, the next engine.step) waits for the whole step first. Every value
+is the one the serial step computes; only the time at which it is ready moves. Below
+stage 3 there is no per-unit hook to wait at, so the step finishes inside engine.step().
+
 Note: on a CPU-only run the same code runs with synchronous copies, which is how CI
-tests it against the in-memory path.
+tests it against the in-memory path (overlapped steps included).
 """
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -42,10 +54,18 @@ class OffloadPath:
         self.staging: list[torch.Tensor] = []        # device fp32 ring (master copied, then cast)
         self.host_staging: list[torch.Tensor] = []   # host model-dtype ring (written by step_param)
         self.events: dict[int, torch.cuda.Event] = {}
+        # the overlapped step: which sub-group each unit's master lies in, and its progress
+        self.sub_group_of: dict[int, int] = {}
+        self._worker: ThreadPoolExecutor | None = None
+        self._future = None                        # the step in flight (None: nothing pending)
+        self._stepped: list[threading.Event] = []  # set when sub-group k is stepped and published
+        self._uploaded: dict[int, object] = {}     # k -> CUDA event of its H2D (device shards)
+        self.overlapped_steps = 0                  # a statistic for tests and benchmarks
 
     # -- backward: one unit's reduced gradient -----------------------------------------
     def grad_ready(self, u, src: torch.Tensor, first_micro: bool) -> None:
         """``src``: this rank's reduced gradient shard of unit ``u`` on the device."""
+        self.wait_unit(u, device=False)     # the previous step has read this gradient buffer
         dst = u.master.grad
         if first_micro and self.gpu_norm:
             self.norm_sq += src.float().pow(2).sum()
@@ -103,11 +123,80 @@ class OffloadPath:
 
         if self.part.swap is not None:
             self.part.swap.step(optimizer, step_one, self.publish_done)
+        elif fused and self.part.can_overlap_step():
+            self._start_overlapped(step_one, ranges)
+            return
         else:
             for k in range(len(ranges)):
                 step_one(k)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+
+    # -- the overlapped step ------------------------------------------------------------
+    def _start_overlapped(self, step_one, ranges) -> None:
+        if not self.sub_group_of:
+            for u, off in zip(self.part.units, self.unit_offsets):
+                if u.hi > u.lo:     # an empty shard on this rank belongs to no sub-group
+                    self.sub_group_of[u.index] = next(k for k, (a, b) in enumerate(ranges) if a <= off < b)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
+        self._stepped = [threading.Event() for _ in ranges]
+        self._uploaded = {}
+
+        def run() -> None:
+            for k in range(len(ranges)):
+                step_one(k)
+                if self.cuda:
+                    ev = self.events.get(("staging", k % 2))
+                    if ev is not None:
+                        self._uploaded[k] = ev
+                self._stepped[k].set()
+
+        self._future = self._worker.submit(run)
+        self.overlapped_steps += 1
+
+    def wait_unit(self, u, device: bool = True) -> None:
+        """Unit ``u``'s sub-group is stepped and (``device``) its upload ordered before the
+        current stream's next work. Returns at once when no step is in flight."""
+        fut = self._future
+        if fut is None:
+            return
+        k = self.sub_group_of.get(u.index)
+        if k is None:
+            return
+        while not self._stepped[k].wait(0.5):
+            if fut.done():          # the step failed before reaching k
+                self.wait_all()
+        if device and self.cuda:
+            ev = self._uploaded.get(k)
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def unit_ready(self, u) -> bool:
+        """No wait needed before gathering ``u`` (for prefetching without blocking)."""
+        k = self.sub_group_of.get(u.index)
+        return self._future is None or k is None or self._stepped[k].is_set()
+
+    def wait_all(self) -> None:
+        """The step in flight is finished (its error, if any, raised here)."""
+        fut, self._future = self._future, None
+        if fut is None:
+            return
+        fut.result()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+
+    @property
+    def pending(self) -> bool:
+        return self._future is not None
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
 
     def _pieces(self, a: int, b: int):
         """(unit, unit offset x, unit offset y, master offset) for master range [a, b)."""

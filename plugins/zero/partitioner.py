@@ -268,6 +268,7 @@ class FlatPartitioner(Partitioner):
         self._pending.clear()
 
     def finish_gradients(self) -> None:
+        self.wait_optimizer()
         for u in self.units:
             if u.reduced or not u.trainable:
                 continue
@@ -341,10 +342,20 @@ class FlatPartitioner(Partitioner):
         for h in inflight:
             h.wait()
 
+    def wait_optimizer(self) -> None:
+        if self.offload is not None:
+            self.offload.wait_all()
+
+    def can_overlap_step(self) -> bool:
+        """Whether the offloaded step may still run after step_optimizer returns: only
+        where every later use of a parameter or gradient waits for its own sub-group."""
+        return False
+
     # -- views -------------------------------------------------------------------------
     def gathered_params(self):
         """Context in which every parameter holds its full value (a no-op below stage 3)."""
         from contextlib import nullcontext
+        self.wait_optimizer()
         return nullcontext()
 
     def consolidated_state_dict(self, module) -> dict | None:
@@ -354,6 +365,7 @@ class FlatPartitioner(Partitioner):
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        self.wait_optimizer()
         out = {"lp_params": [u.full for u in self.units] + [u.shard for u in self.units if u.sharded_params],
                "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
                "hp_params": [] if self.alias else list(self._master_list),
@@ -371,6 +383,7 @@ class FlatPartitioner(Partitioner):
         from zeroplug.checkpoint import active_part_writer
 
         from .checkpointing import export_state
+        self.wait_optimizer()
         if self.swap is None:       # parts: only for parameter shards on NVMe (stage 3)
             return export_state(self, optimizer, parts=parts)
         if parts is None:
@@ -383,6 +396,7 @@ class FlatPartitioner(Partitioner):
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         """Load from a :class:`zeroplug.checkpoint.ShardSet`; the nvme tier one sub-group at a time."""
         from .checkpointing import import_state
+        self.wait_optimizer()
         return import_state(self, states, optimizer, **flags)
 
     @classmethod

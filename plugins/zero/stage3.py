@@ -57,6 +57,7 @@ class Stage3(Stage2):
         self._callback_queued = False
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
         self.pswap = None
+        self._stale: set[int] = set()   # persistent units to refill once their sub-group is stepped
         if getattr(offload_param, "swaps_states", False):
             from .param_swap import ParamSwap
             self.pswap = ParamSwap(self, offload_param)
@@ -143,6 +144,8 @@ class Stage3(Stage2):
         self.release_all()
 
     def _start(self, u: Unit) -> None:
+        if self.offload is not None:
+            self.offload.wait_unit(u)       # an overlapped step has published this unit
         if self.pswap is not None:
             self.pswap.ensure(u)
         u.start_gather(self.comm, self.upload)
@@ -153,9 +156,18 @@ class Stage3(Stage2):
             self.pswap.drop(u)
 
     def _fetch(self, u: Unit) -> None:
+        if u.index in self._stale:
+            self._refill(u)
         if u.state == FREE:
             self._start(u)
         u.wait_gather()
+
+    def _refill(self, u: Unit) -> None:
+        """A persistent unit's whole copy, from its shard after an overlapped step."""
+        self._stale.discard(u.index)
+        if self.offload is not None:
+            self.offload.wait_unit(u)
+        u.fill_full(self.comm, self.upload).wait()
 
     def _prefetch(self, order: list[int], start: int) -> None:
         """Start gathers for the units after position ``start`` of ``order``."""
@@ -173,10 +185,12 @@ class Stage3(Stage2):
             if over or live + u.numel > self.options.stage3_max_live_parameters:
                 break
             first = False
+            if self.offload is not None and not self.offload.unit_ready(u):
+                break                           # its sub-group is still stepping: fetched on use
             if self.pswap is not None and u.index in self.pswap.on_nvme:
                 self.pswap.start_read(u)        # read ahead; uploaded when it is needed
             else:
-                u.start_gather(self.comm, self.upload)
+                self._start(u)
             self.prefetch_count += 1
             budget -= u.numel
             live += u.numel
@@ -247,8 +261,20 @@ class Stage3(Stage2):
             self._release(u)
 
     # -- after the optimizer ------------------------------------------------------------
+    def can_overlap_step(self) -> bool:
+        return (bool(self.units_of_module) and self.pswap is None and self.swap is None
+                and getattr(self.offload_optimizer.options, "overlap_step", False))
+
+    def wait_optimizer(self) -> None:
+        super().wait_optimizer()
+        for i in sorted(self._stale):
+            self._refill(self.units[i])
+
     def _gather_after_step(self) -> None:
         """Only persistent units are kept whole; the others are gathered at their next use."""
+        if self.offload is not None and self.offload.pending:
+            self._stale.update(u.index for u in self.units if u.persistent)   # refilled on use
+            return
         if self.layout_world > 1 or self.params_offloaded:
             persistent = [u for u in self.units if u.persistent]
             handles = [u.fill_full(self.comm, self.upload) for u in persistent]
@@ -272,6 +298,7 @@ class Stage3(Stage2):
 
     @contextmanager
     def gathered_params(self):
+        self.wait_optimizer()
         for u in self.units:
             if u.state == FREE:
                 self._start(u)
