@@ -169,6 +169,7 @@ class Partitioner:
         raise NotImplementedError
 
     def master_params(self) -> list[torch.Tensor]:
+        """The fp32 masters (possibly mid-step: call wait_optimizer() before reading them)."""
         raise NotImplementedError
 
     def before_forward(self) -> None:

@@ -27,9 +27,9 @@ class CPUOptions:
     pin_memory: bool = opt(True, "Page-locked host buffers: faster copies, memory others cannot use.")
     ratio: float = opt(1.0, "Fraction of the optimizer state to offload (only 1.0 is supported).",
                        min=1.0, max=1.0)
-    overlap_step: bool = opt(True, "Stage 3: the CPU steps sub-groups on a worker thread while the next "
-                                   "forward runs (each unit waits for its own sub-group; same values as "
-                                   "false). false: the step ends inside engine.step().")
+    overlap_step: bool = opt(False, "Stage 3: the CPU steps sub-groups on a worker thread while the next "
+                                    "forward runs (each unit waits for its own sub-group; the same values "
+                                    "as false). Off by default: no speed-up measured yet (docs/benchmarks.md).")
     host_memory_limit_gb: float = opt(0.0, "Fail early if this tier would need more host memory than "
                                            "this many GiB; 0 = what the machine has available.", min=0.0)
 

@@ -115,8 +115,8 @@ class AsyncSwapper:
     """
 
     def __init__(self, nvme_path: str, *, buffer_count: int = 4, buffer_size: int = int(1e8),
-                 element_size: int = 4, block_size: int = 1 << 20, queue_depth: int = 8,
-                 thread_count: int = 4, pin_memory: bool = True, direct: bool = True,
+                 element_size: int = 4, block_size: int = 1 << 20, queue_depth: int = 32,
+                 thread_count: int = 16, pin_memory: bool = True, direct: bool = True,
                  copy_threads: int = 2):
         for name, v in (("buffer_count", buffer_count), ("buffer_size", buffer_size),
                         ("element_size", element_size), ("queue_depth", queue_depth),

@@ -28,8 +28,8 @@ from zeroplug.plugins.offload_nvme.swapper import AsyncSwapper
 
 MiB = 1 << 20
 SETTINGS = [  # block_size, queue_depth, thread_count
-    (1 * MiB, 8, 4),       # the defaults
-    (1 * MiB, 32, 16),
+    (1 * MiB, 8, 4),
+    (1 * MiB, 32, 16),     # the defaults
     (8 * MiB, 8, 8),
     (32 * MiB, 8, 8),
 ]
