@@ -190,14 +190,6 @@ class OffloadPath:
     def pending(self) -> bool:
         return self._future is not None
 
-    def close(self) -> None:
-        try:
-            self.wait_all()
-        finally:
-            if self._worker is not None:
-                self._worker.shutdown(wait=True)
-                self._worker = None
-
     def _pieces(self, a: int, b: int):
         """(unit, unit offset x, unit offset y, master offset) for master range [a, b)."""
         for u, off in zip(self.part.units, self.unit_offsets):
