@@ -22,15 +22,6 @@ from toy import ToyNet, batches
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is ~1000x faster than two on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(autouse=True)
 def fresh_plugin_manager(monkeypatch):
     monkeypatch.delenv("ZEROPLUG_PLUGINS_ALLOW", raising=False)

@@ -14,14 +14,6 @@ from zeroplug.plugins.precision.scaler import LossScaler
 from toy import ToyNet, batches
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is ~1000x faster than two on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 O, C = True, False      # overflow, clean
 
 

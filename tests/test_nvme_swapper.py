@@ -36,6 +36,17 @@ def small(path, **kw) -> AsyncSwapper:
     return AsyncSwapper(str(path), **kw)
 
 
+def round_trip(sw: AsyncSwapper, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Write each tensor under its index, read all back into fresh tensors, wait."""
+    for i, t in enumerate(ts):
+        sw.write(i, t)
+    outs = [torch.empty_like(t) for t in ts]
+    for i, o in enumerate(outs):
+        sw.read(i, o)
+    sw.wait_all()
+    return outs
+
+
 def rand(shape, dtype, gen) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
@@ -120,12 +131,7 @@ def test_buffer_reuse_two_buffers_many_transfers(tmp_path, monkeypatch):
     monkeypatch.setattr(swmod, "_copy_in", spy)
     with small(tmp_path, buffer_count=2, buffer_size=32 * KiB) as sw:
         ts = [torch.randn(20_000 + 1000 * i) for i in range(12)]   # 12 transfers, 2 buffers
-        for i, t in enumerate(ts):
-            sw.write(i, t)
-        outs = [torch.empty_like(t) for t in ts]
-        for i, o in enumerate(outs):
-            sw.read(i, o)
-        sw.wait_all()
+        outs = round_trip(sw, ts)
         assert all(torch.equal(a, b) for a, b in zip(ts, outs))
         assert len(set(used)) == 2 and len(used) >= 12
         assert all(b.data_ptr() % 4096 == 0 for b in sw._buffers)
@@ -386,12 +392,7 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
                     return await real(fd, *a, **k)
                 sw._pwritev = einval_when_direct
             ts = [torch.randn(150_000) for _ in range(3)]
-            for i, t in enumerate(ts):
-                sw.write(i, t)
-            outs = [torch.empty_like(t) for t in ts]
-            for i, o in enumerate(outs):
-                sw.read(i, o)
-            sw.wait_all()
+            outs = round_trip(sw, ts)
             assert all(torch.equal(a, b) for a, b in zip(ts, outs))
             assert sw.direct is False
     warnings = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]

@@ -17,14 +17,6 @@ from zeroplug.errors import ConfigError, PluginError
 from toy import ToyNet
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is ~1000x faster than two on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 BUILTINS = ("zero", "precision", "optim", "schedulers", "offload_cpu", "monitors")
 
 FAKE_SGD = '''

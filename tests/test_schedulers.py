@@ -16,15 +16,6 @@ from zeroplug.config import load
 from toy import ToyNet, batches
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is ~1000x faster than two on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --- DeepSpeed's formulas, by hand ---------------------------------------------------------
 
 def ds_gamma_warmup(t, w, kind):
