@@ -396,3 +396,20 @@ def test_rejects_wrong_inputs():
     q = torch.zeros(8, dtype=torch.float64)
     with pytest.raises(TypeError):
         CPUAdam([q]).step_param(q, torch.zeros(8))
+
+
+def test_threads_gives_the_same_values(impl):
+    """A kernel with fewer OpenMP threads (the overlapped step's) computes the same bits."""
+    n = SIZES[impl][-1] + 1001
+    (init,) = _params([n])
+    a, b = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    oa, ob = CPUAdam([a], lr=1e-2, impl=impl), CPUAdam([b], lr=1e-2, impl=impl)
+    la, lb = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    for i in range(3):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        oa.step_param(a, g, lp_out=la, grad_scale=0.5)
+        ob.step_param(b, g, lp_out=lb, grad_scale=0.5, threads=1)
+    assert torch.equal(a.detach(), b.detach()) and torch.equal(la, lb)
+    assert torch.equal(oa.state[a]["exp_avg_sq"], ob.state[b]["exp_avg_sq"])
+    if impl == "compile":       # a separate kernel with a fixed team size was built
+        assert any(k[2] == 1 for k in ck._COMPILED.fns)

@@ -12,12 +12,12 @@ One options table serves both slots, with DeepSpeed's names (``offload_optimizer
     block_size = 1048576           queue_depth = 32           # aio keys, either table
 
 Options that belong to one table only (``pipeline_read``, ``pipeline_write``,
-``fast_init``: optimizer; ``max_in_cpu``: param) are rejected in the other with a
-message. DeepSpeed's ``single_submit`` / ``overlap_events`` describe libaio's
-submission; our swapper has one fixed behaviour (each request submitted on its own
-as a slot frees, completions overlapping the next submissions: single_submit =
-false, overlap_events = true). Those values are accepted silently; the other values
-are accepted with a one-line warning that they change nothing.
+``reuse_resident``, ``fast_init``: optimizer; ``max_in_cpu``: param) are rejected in
+the other with a message. DeepSpeed's ``single_submit`` / ``overlap_events``
+describe libaio's submission; our swapper has one fixed behaviour (each request
+submitted on its own as a slot frees, completions overlapping the next submissions:
+single_submit = false, overlap_events = true). Those values are accepted silently;
+the other values are accepted with a one-line warning that they change nothing.
 
 The tier: :class:`NVMeOffload` (``device`` = cpu; ``empty`` = host tensors;
 ``plan(...)`` checks buffers, memory and disk before anything is allocated;
@@ -47,9 +47,11 @@ log = logging.getLogger("zeroplug")
 
 #: defaults that depend on the table: (optimizer, param)
 _DEFAULTS = {"buffer_count": (4, 5), "buffer_size": (None, int(1e8)), "max_in_cpu": (None, int(1e9)),
-             "pipeline_read": (True, None), "pipeline_write": (True, None), "fast_init": (True, None)}
+             "pipeline_read": (True, None), "pipeline_write": (True, None), "fast_init": (True, None),
+             "reuse_resident": (True, None)}
 _ONLY = {"max_in_cpu": "offload.param", "pipeline_read": "offload.optimizer",
-         "pipeline_write": "offload.optimizer", "fast_init": "offload.optimizer"}
+         "pipeline_write": "offload.optimizer", "fast_init": "offload.optimizer",
+         "reuse_resident": "offload.optimizer"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class NVMeOptions:
                                            "while the current one steps (default true).")
     pipeline_write: bool | None = opt(None, "[offload.optimizer] only: write a sub-group's states back "
                                             "while the next one steps (default true).")
+    reuse_resident: bool | None = opt(None, "[offload.optimizer] only: keep the sub-groups stepped last in "
+                                            "host memory (unwritten) until the next step, which runs in the "
+                                            "opposite order and starts with them: saves writing and reading "
+                                            "them each step; host memory between steps stays within the "
+                                            "step's own peak (default true).")
     fast_init: bool | None = opt(None, "[offload.optimizer] only: zeroplug always creates the optimizer "
                                        "states at the first step (DeepSpeed's fast_init = true); false is "
                                        "accepted with a note, as it changes nothing (default true).")

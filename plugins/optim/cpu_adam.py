@@ -190,6 +190,7 @@ class CPUAdam(torch.optim.Optimizer):
         grad: torch.Tensor | None = None,
         lp_out: torch.Tensor | None = None,
         grad_scale: float = 1.0,
+        threads: int | None = None,
     ) -> None:
         """Step one parameter (sub-group) in one fused pass.
 
@@ -199,15 +200,17 @@ class CPUAdam(torch.optim.Optimizer):
         rounded to its dtype in the same pass; it may also be a list of contiguous tensors
         of one dtype that together hold ``p.numel()`` elements, filled in order (the
         parameter shards of the units a sub-group spans).  Safe to call from a worker
-        thread while other parameters' gradients are still arriving.
+        thread while other parameters' gradients are still arriving. ``threads``: the
+        compiled kernel's OpenMP threads (default all of torch's; fewer leave cores to a
+        training loop running beside the step; the eager path ignores it).
         """
         if grad is None:
             grad = p.grad
             if grad is None:
                 raise ValueError("step_param: no grad given and p.grad is None")
-        self._step(p, self._find_group(p), grad, lp_out, float(grad_scale))
+        self._step(p, self._find_group(p), grad, lp_out, float(grad_scale), threads)
 
-    def _step(self, p, group, grad, lp_out, grad_scale) -> None:
+    def _step(self, p, group, grad, lp_out, grad_scale, threads=None) -> None:
         if p.device.type != "cpu" or p.dtype != torch.float32:
             raise TypeError(f"cpu_adam steps fp32 CPU tensors, got {p.dtype} on {p.device}")
         if grad.is_sparse:
@@ -235,7 +238,7 @@ class CPUAdam(torch.optim.Optimizer):
         if self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
             key = (bool(group["adamw_mode"]), grad.dtype,
                    lp_out.dtype if lp_out is not None else None)
-            fn = _kernels._COMPILED.get(key, strict=self.impl == "compile")
+            fn = _kernels._COMPILED.get(key, strict=self.impl == "compile", threads=threads)
         state = self._init_state(p)
         step_t = state["step"]
         step_t += 1

@@ -103,6 +103,21 @@ _KERNELS = {
 }
 
 
+def _compile(adamw: bool, has_lp: bool, threads: int | None) -> Callable:
+    """The compiled kernel. Note: inductor's default Python binding holds the GIL for the
+    whole kernel call (tens of ms per sub-group), which stalls every other Python thread,
+    e.g. the training loop launching the next forward while a worker thread steps
+    (``overlap_step``); its C++ wrapper releases the GIL at the same speed (measured with
+    tests/benchmarks/cpu_adam_gil.py). ZEROPLUG_CPU_ADAM_RELEASE_GIL=0 keeps the default
+    binding. ``threads`` fixes the kernel's OpenMP team size (``cpp.threads``)."""
+    options: dict[str, Any] = {}
+    if os.environ.get("ZEROPLUG_CPU_ADAM_RELEASE_GIL", "1") not in ("", "0"):
+        options["cpp_wrapper"] = True
+    if threads:
+        options["cpp.threads"] = int(threads)
+    return torch.compile(_KERNELS[(adamw, has_lp)], dynamic=True, fullgraph=True, options=options)
+
+
 class _Compiled:
     """Process-wide lazily compiled kernels.
 
@@ -117,8 +132,9 @@ class _Compiled:
         self.speed: dict[tuple, dict] = {}
         self.errors: dict[tuple, str] = {}
 
-    def get(self, key: tuple, strict: bool) -> Callable | None:
-        """key = (adamw, grad dtype, lp dtype or None)."""
+    def get(self, key: tuple, strict: bool, threads: int | None = None) -> Callable | None:
+        """key = (adamw, grad dtype, lp dtype or None); ``threads``: OpenMP threads of the
+        kernel (None: torch.get_num_threads() when it is compiled)."""
         ok = self.ok.get(key)
         if ok is None:
             with self.lock:
@@ -131,7 +147,12 @@ class _Compiled:
                     f"cpu_adam: compiled kernel unavailable ({self.errors.get(key)})"
                 )
             return None
-        return self.fns[(key[0], key[2] is not None)]
+        fkey = (key[0], key[2] is not None, threads)
+        fn = self.fns.get(fkey)
+        if fn is None:      # the same (probed) kernel with a fixed thread count
+            with self.lock:
+                fn = self.fns.get(fkey) or self.fns.setdefault(fkey, _compile(*fkey))
+        return fn
 
     def _build(self, key: tuple, strict: bool) -> bool:
         adamw, gdt, lpdt = key
@@ -140,9 +161,9 @@ class _Compiled:
                 raise RuntimeError("torch.compile is not available")
             if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0"):
                 raise RuntimeError("TORCHDYNAMO_DISABLE is set")
-            fkey = (adamw, lpdt is not None)
+            fkey = (adamw, lpdt is not None, None)
             if fkey not in self.fns:
-                self.fns[fkey] = torch.compile(_KERNELS[fkey], dynamic=True, fullgraph=True)
+                self.fns[fkey] = _compile(*fkey)
             self.speed[key] = _probe(self.fns[fkey], adamw, gdt, lpdt, check_speed=not strict)
             self.ok[key] = True
         except Exception as e:  # compiler missing, inductor error, wrong result, ...

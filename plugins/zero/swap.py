@@ -5,6 +5,20 @@ are written to the tier's swapper after the sub-group steps, and their storages 
 resized to 0 bytes; before the next step they are resized and read back. Tensor
 objects never change, so the optimizer's state dict and every view stay valid.
 
+Note: with ``reuse_resident`` (the default) the order of the sub-groups alternates,
+forward on one step and backward on the next, and the last R sub-groups a step
+updates stay in host memory without being written (their files are stale until they
+are written again). The next step, running the other way round, starts with exactly
+those, so each step skips R writes and R reads. R = pipeline_read + pipeline_write
+(at least 1) is the number of sub-groups the pipeline holds besides the one
+stepping, so host memory does not grow: while sub-group i of the order steps the
+pipeline holds i - 1 (being written), i and i + 1 (being read); the kept ones take
+the slots of those, at the start of a step (0, 1, ... R - 1 already in, none being
+written) and at its end (n - R ... n - 1 stepped and kept, none to read), and
+between steps R sub-groups are resident, fewer than during a step. What reads or
+writes states outside the step (``resident``, ``all_resident``, ``swap_out_all``)
+goes by ``swapped``, so a resident sub-group is used as it is in memory.
+
 Note: the fp32 gradient shard stays in host memory: it is written by the D2H copies
 during backward in pieces that do not follow sub-groups, and swapping it would add a
 write and a read of 4 bytes per element to every step.
@@ -29,6 +43,8 @@ class SubGroupSwap:
         self.out: dict[int, list] = {}    # k -> futures of writes in flight
         self.inn: dict[int, list] = {}    # k -> futures of reads in flight
         self.swapped: set[int] = set()    # sub-groups whose storages are freed
+        self._reverse = False             # the next step runs backward (reuse_resident)
+        self.reused = 0                   # sub-group writes and reads skipped so far (reuse_resident)
 
     def tensors(self, k: int) -> list[tuple[str, torch.Tensor]]:
         t = self.masters[k]
@@ -116,22 +132,44 @@ class SubGroupSwap:
                 self.finish_out(k)
 
     # -- the pipelined step --------------------------------------------------------------
+    def kept(self) -> int:
+        """How many sub-groups a step leaves resident and unwritten (0: reuse_resident off)."""
+        o = self.tier.options
+        if not getattr(o, "reuse_resident", False):
+            return 0
+        return max(1, int(bool(o.pipeline_read)) + int(bool(o.pipeline_write)))
+
     def step(self, optimizer, step_one, publish_done) -> None:
         """``step_one(k)`` steps and publishes sub-group k; ``publish_done(k)`` waits until
-        the published copy no longer reads the master (H2D on a stream)."""
+        the published copy no longer reads the master (H2D on a stream). With
+        reuse_resident the order alternates and the last ``kept()`` sub-groups stay in
+        memory, unwritten (see the module docstring)."""
         self.optimizer = optimizer
         o = self.tier.options
         n = len(self.masters)
-        for k in range(n):
+        keep = self.kept()
+        order = list(range(n - 1, -1, -1)) if keep and self._reverse else list(range(n))
+        prev = None                            # the sub-group whose write is in flight
+        for i, k in enumerate(order):
+            if k not in self.swapped:
+                self.reused += 1               # still in memory from the last step: no read
             self.finish_in(k)
-            if o.pipeline_read and k + 1 < n:
-                self.start_in(k + 1)           # read k+1 while k steps
+            if o.pipeline_read and i + 1 < n:
+                self.start_in(order[i + 1])    # read the next one while k steps
             step_one(k)
             publish_done(k)
-            self.start_out(k)
-            if not o.pipeline_write:
-                self.finish_out(k)
-            elif k > 0:
-                self.finish_out(k - 1)         # k-1's write ran while k stepped
-        if n and o.pipeline_write:
-            self.finish_out(n - 1)
+            if i >= n - keep:                  # kept in memory, unwritten, for the next step
+                cur = None
+            else:
+                self.start_out(k)
+                cur = k
+                if not o.pipeline_write:
+                    self.finish_out(k)
+                    cur = None
+            if prev is not None:
+                self.finish_out(prev)          # its write ran while k stepped
+            prev = cur
+        if prev is not None:
+            self.finish_out(prev)
+        if keep:
+            self._reverse = not self._reverse

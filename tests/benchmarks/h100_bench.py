@@ -119,9 +119,14 @@ def workload(args) -> dict:
         if args.offload_optimizer == "nvme":
             os.makedirs(args.nvme_path, exist_ok=True)
             cfg["offload"]["optimizer"]["nvme_path"] = args.nvme_path
+            if args.no_reuse:
+                cfg["offload"]["optimizer"]["reuse_resident"] = False
         if args.aio:
             cfg["aio"] = {k: int(v) for k, v in (kv.split("=") for kv in args.aio)}
         cfg["optimizer"]["plugin"] = args.optimizer
+        if args.overlap_step:
+            cfg["offload"]["optimizer"]["overlap_step"] = True
+            cfg["offload"]["optimizer"]["overlap_step_threads"] = args.overlap_threads
         cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
     if args.offload_param:
         cfg["offload"]["param"] = {"plugin": args.offload_param}
@@ -254,6 +259,9 @@ def main():
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--aio", nargs="*", default=[], help="[aio] settings for the nvme tier, e.g. queue_depth=32")
+    p.add_argument("--overlap-step", action="store_true", help="[offload.optimizer] overlap_step = true (cpu tier)")
+    p.add_argument("--overlap-threads", type=int, default=0, help="overlap_step_threads (0: all cores but one)")
+    p.add_argument("--no-reuse", action="store_true", help="[offload.optimizer] reuse_resident = false (nvme)")
     p.add_argument("--json")
     args = p.parse_args()
     if "LOCAL_RANK" in os.environ:

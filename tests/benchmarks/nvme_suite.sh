@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # One device call for issue E's numbers (the H100 machine). Logs in $OUT (default ./bench_out).
-# Usage: [BIG=1.3B] bash tests/benchmarks/nvme_suite.sh [nvme_path]
+# Usage: [BIG=1.3B] [NO_DD=1 (skip swapper vs dd)] bash tests/benchmarks/nvme_suite.sh [nvme_path]
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 P=${1:-/root/zeroplug_nvme}; mkdir -p "$P"
 export PYTHONUNBUFFERED=1
 B=tests/benchmarks/h100_bench.py
 left() { echo "left in $P: $(find "$P" -type f | wc -l) files, $(find "$P" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}') bytes"; }
+if [ -z "${NO_DD:-}" ]; then
 echo "== swapper vs dd, 4 GiB each way"
 timeout 150 python3 tests/benchmarks/swapper_vs_dd.py --path "$P" --gib 4 --repeat 1 2>&1 | tee "$OUT/swapper_vs_dd.txt"
 left
+fi
 echo "== 350M, stage 3, parameters on CPU, optimizer states on NVMe (pipelined: the default)"
 timeout 150 python3 $B workload --model 350M --zero stage3 --offload-optimizer nvme --offload-param cpu \
   --nvme-path "$P" --steps 5 --json "$OUT/nvme_350M.json" 2>&1 | grep -E "RESULT|IO per|PHASES|Error|error" | tee "$OUT/nvme_350M.txt"
 left
-echo "== the same with [aio] queue_depth=32 thread_count=16"
+echo "== the same with reuse_resident = false (every sub-group written and read every step)"
 timeout 150 python3 $B workload --model 350M --zero stage3 --offload-optimizer nvme --offload-param cpu \
-  --nvme-path "$P" --steps 5 --aio queue_depth=32 thread_count=16 --json "$OUT/nvme_350M_qd32.json" 2>&1 | grep -E "RESULT|IO per|PHASES|Error|error" | tee "$OUT/nvme_350M_qd32.txt"
+  --nvme-path "$P" --steps 5 --no-reuse --json "$OUT/nvme_350M_no_reuse.json" 2>&1 | grep -E "RESULT|IO per|PHASES|Error|error" | tee "$OUT/nvme_350M_no_reuse.txt"
 left
 if [ -n "${BIG:-}" ]; then
   echo "== $BIG, stage 3, parameters on CPU, optimizer states on NVMe"
