@@ -29,6 +29,7 @@ files can be used on their own.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,8 @@ import warnings
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger("zeroplug")
 
 # Eager path: elements per thread in one chunk (p, g, m, v, g32 of a chunk stay in L2).
 _EAGER_CHUNK_PER_THREAD = 1 << 16
@@ -149,9 +152,18 @@ class _Compiled:
             return None
         fkey = (key[0], key[2] is not None, threads)
         fn = self.fns.get(fkey)
-        if fn is None:      # the same (probed) kernel with a fixed thread count
+        if fn is None:      # the same kernel with a fixed thread count: compiled and checked once
             with self.lock:
-                fn = self.fns.get(fkey) or self.fns.setdefault(fkey, _compile(*fkey))
+                fn = self.fns.get(fkey)
+                if fn is None:
+                    try:
+                        fn = _compile(*fkey)
+                        _timed_probe(fn, key, threads, check_speed=False)
+                    except Exception as e:
+                        warnings.warn(f"cpu_adam: the {threads}-thread kernel failed ({e!r:.300}); "
+                                      f"using the default one", RuntimeWarning, stacklevel=3)
+                        fn = self.fns[(key[0], key[2] is not None, None)]
+                    self.fns[fkey] = fn
         return fn
 
     def _build(self, key: tuple, strict: bool) -> bool:
@@ -164,7 +176,7 @@ class _Compiled:
             fkey = (adamw, lpdt is not None, None)
             if fkey not in self.fns:
                 self.fns[fkey] = _compile(*fkey)
-            self.speed[key] = _probe(self.fns[fkey], adamw, gdt, lpdt, check_speed=not strict)
+            self.speed[key] = _timed_probe(self.fns[fkey], key, None, check_speed=not strict)
             self.ok[key] = True
         except Exception as e:  # compiler missing, inductor error, wrong result, ...
             msg = f"{type(e).__name__}: {e}".strip()
@@ -179,6 +191,17 @@ class _Compiled:
                 stacklevel=4,
             )
         return self.ok[key]
+
+
+def _timed_probe(fn: Callable, key: tuple, threads: int | None, check_speed: bool) -> dict:
+    """_probe with progress lines: a cold compile takes up to a minute (inductor's cache
+    makes later runs on the machine fast)."""
+    what = _key_str(key) + (f" threads={threads}" if threads else "")
+    log.info("[zeroplug] cpu_adam: compiling the %s kernel (once per machine, up to a minute)", what)
+    t0 = time.perf_counter()
+    out = _probe(fn, key[0], key[1], key[2], check_speed=check_speed)
+    log.info("[zeroplug] cpu_adam: %s kernel ready in %.1f s", what, time.perf_counter() - t0)
+    return out
 
 
 def _key_str(key: tuple) -> str:

@@ -21,11 +21,13 @@ files between steps. Saving brings one sub-group in at a time (read-only), write
 its pieces' masters and optimizer states into a part file of their own
 (``rank_00000.sg00003.pt``; the rank file's pieces name it under "part") and frees
 it again, so a save needs about one sub-group's states of extra host memory, not
-a copy of all of them. Loading into the nvme tier first copies what lives in
-memory (model-dtype shards, scalars, extras) from every rank file, then brings one
-sub-group in at a time, fills its master and states from the pieces (in the rank
-files or their part files) that intersect it, publishes it and writes it back. A
-checkpoint with or without part files loads into every tier.
+a copy of all of them. A sub-group the last step kept in memory (``reuse_resident``)
+is saved from memory as it is and stays there. Loading into the nvme tier first
+copies what lives in memory (model-dtype shards, scalars, extras) from every rank
+file, then brings one sub-group in at a time, fills its master and states from the
+pieces (in the rank files or their part files) that intersect it, publishes it and
+writes it back (a kept sub-group is filled in memory and written after the next
+step). A checkpoint with or without part files loads into every tier.
 
 Stage 3 parameter shards on NVMe (``part.pswap``) stream the same way: a piece of a unit
 whose shard is in a swap file keeps its "param" (and its master and states) in the part
