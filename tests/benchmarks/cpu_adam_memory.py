@@ -44,7 +44,8 @@ def alloc(n: int, dtype, kind: str) -> torch.Tensor:
     t.zero_()
     if kind.endswith("reg") and torch.cuda.is_available():
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-        assert int(err) == 0, err
+        if int(err) != 0:       # seen once on the H100 machine for mmap-ed memory (thp+reg)
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed: {err}")
     return t
 
 
@@ -96,7 +97,12 @@ def main() -> None:
     cpu_adam = load_cpu_adam()
     for kind in a.kinds.split(","):
         for gdt in (torch.float32, torch.bfloat16):
-            run(cpu_adam, int(a.n), int(a.piece), int(a.sub_group), kind, gdt, a.repeats)
+            try:
+                run(cpu_adam, int(a.n), int(a.piece), int(a.sub_group), kind, gdt, a.repeats)
+            except RuntimeError as e:
+                print(f"{kind:>10}  grad={str(gdt).split('.')[1]:>8}  skipped: {e}", flush=True)
+                _KEEP.clear()
+                gc.collect()
 
 
 if __name__ == "__main__":
