@@ -218,8 +218,9 @@ class Stage3(Stage2):
                     t.register_hook(lambda grad, m=module: self._pre_backward(m))
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
+        backward_follows = torch.is_grad_enabled() and any(p.requires_grad for u in units for p in u.params)
         for u in units:
-            if not self._reused_soon(u):
+            if not self._reused_soon(u, backward_follows):
                 self._release(u)
 
     def _end_forward(self, module, args, output) -> None:
@@ -230,14 +231,24 @@ class Stage3(Stage2):
         if not any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(output)[0]):
             self.release_all()
 
-    def _reused_soon(self, u: Unit) -> bool:
+    def _reused_soon(self, u: Unit, backward_follows: bool = False) -> bool:
+        """Whether ``u`` runs again within stage3_max_reuse_distance elements of execution,
+        following the recorded order (as DeepSpeed counts it, backward included).
+
+        Note: the backward visits the units in reverse, starting with the last ones of
+        the forward: the tail of the forward (the head, the last blocks) is needed again
+        after 2 x the elements that follow it, so it stays gathered instead of being
+        freed and uploaded again (with offloaded parameters: an H2D on the backward's
+        critical path)."""
         prev, pos = self.trace_prev, len(self.trace_cur)
         dist = 0
         for idx in prev[pos:]:
             if idx == u.index:
                 return dist <= self.options.stage3_max_reuse_distance
             dist += self.units[idx].numel
-        return False
+        # the backward's reuse is predicted only while this forward follows the recorded one
+        return (backward_follows and 2 * dist <= self.options.stage3_max_reuse_distance
+                and 0 < pos <= len(prev) and prev[:pos] == self.trace_cur)
 
     def _pre_backward(self, module) -> None:
         if not self._callback_queued:

@@ -128,6 +128,8 @@ def workload(args) -> dict:
             cfg["offload"]["optimizer"]["overlap_step"] = True
             cfg["offload"]["optimizer"]["overlap_step_threads"] = args.overlap_threads
         cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
+    if args.reuse_distance is not None:
+        cfg["zero"]["stage3_max_reuse_distance"] = int(args.reuse_distance)
     if args.offload_param:
         cfg["offload"]["param"] = {"plugin": args.offload_param}
         if args.offload_param == "nvme":
@@ -262,6 +264,7 @@ def main():
     p.add_argument("--overlap-step", action="store_true", help="[offload.optimizer] overlap_step = true (cpu tier)")
     p.add_argument("--overlap-threads", type=int, default=0, help="overlap_step_threads (0: all cores but one)")
     p.add_argument("--no-reuse", action="store_true", help="[offload.optimizer] reuse_resident = false (nvme)")
+    p.add_argument("--reuse-distance", type=float, default=None, help="zero.stage3_max_reuse_distance")
     p.add_argument("--json")
     args = p.parse_args()
     if "LOCAL_RANK" in os.environ:
