@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from contextlib import contextmanager
 
@@ -29,6 +30,15 @@ log = logging.getLogger("zeroplug")
 
 
 def _default_device() -> torch.device:
+    """The device when none is given: ZEROPLUG_DEVICE (e.g. "cpu", "cuda:1") if set, else
+    the current CUDA device, else the CPU."""
+    env = os.environ.get("ZEROPLUG_DEVICE", "").strip()
+    if env:
+        try:
+            return torch.device(env)
+        except RuntimeError as e:
+            raise ValueError(f"ZEROPLUG_DEVICE={env!r} is not a device ({e}); use e.g. cpu, cuda "
+                             f"or cuda:1, or unset it") from None
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

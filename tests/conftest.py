@@ -8,3 +8,8 @@ import torch  # noqa: E402
 # Note: the tests use tiny models; with torch's default threads on a busy 2-core
 # machine a small op can take 1000x longer than on one thread.
 torch.set_num_threads(1)
+
+# Note: the CPU suite builds engines without a device; on a machine with a GPU they would
+# land on CUDA and meet CPU batches. GPU tests pass device="cuda" explicitly. Spawned
+# ranks inherit the variable.
+os.environ.setdefault("ZEROPLUG_DEVICE", "cpu")

@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from zeroplug.config import load
 from zeroplug.errors import ConfigError
@@ -327,3 +328,17 @@ def test_cli_main_error_exit_code(tmp_path, capsys, monkeypatch, case):
     assert "error:" in err, err
     for part in expect:
         assert part in err, err
+
+
+def test_zeroplug_device_env(monkeypatch):
+    """ZEROPLUG_DEVICE picks the device when none is given; a bad value names the variable."""
+    import zeroplug
+    from toy import ToyNet
+    cfg = {"zero": {"plugin": "stage1"}, "monitor": {"plugin": "none"}}
+    monkeypatch.setenv("ZEROPLUG_DEVICE", "cpu")
+    assert zeroplug.initialize(ToyNet(), cfg).run.device == torch.device("cpu")
+    monkeypatch.setenv("ZEROPLUG_DEVICE", "gpu7")
+    with pytest.raises(ValueError, match="ZEROPLUG_DEVICE='gpu7' is not a device"):
+        zeroplug.initialize(ToyNet(), cfg)
+    # an explicit device wins over the variable
+    assert zeroplug.initialize(ToyNet(), cfg, device="cpu").run.device == torch.device("cpu")
