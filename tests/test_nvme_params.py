@@ -8,7 +8,7 @@ import torch
 
 import zeroplug
 from distributed import run_ranks
-from toy import ToyNet, engine_losses, peak_bytes, wide_steps
+from toy import ToyNet, Wide, engine_losses, peak_bytes, wide_steps
 
 
 def _cfg(world, swap, param_tier, opt_tier="cpu", max_in_cpu=500):
@@ -129,15 +129,6 @@ W, LAYERS = 512, 6
 UNIT = W * W + W                # one Linear(512, 512): one unit, one sub-group
 
 
-class Wide(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.Sequential(*[torch.nn.Linear(W, W) for _ in range(LAYERS)])
-
-    def forward(self, x):
-        return self.layers(x).float().pow(2).mean()
-
-
 def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -147,7 +138,7 @@ def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
            "offload": {"optimizer": {"plugin": "cpu"},
                        "param": {"plugin": "nvme", "nvme_path": str(swap), "max_in_cpu": 0}}}
     torch.manual_seed(0)
-    e = zeroplug.initialize(Wide(), cfg)
+    e = zeroplug.initialize(Wide(W, LAYERS), cfg)
     part = e.partitioner
     assert len(part.pswap.on_nvme) == LAYERS
     unit_bytes = UNIT * part.units[0].shard.element_size()
@@ -155,7 +146,7 @@ def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
     path, save = peak_bytes(lambda: e.save_checkpoint(tmp_path / "ck"))
     after = wide_steps(e, W, 2, 2)
     torch.manual_seed(5)
-    e2 = zeroplug.initialize(Wide(), cfg)
+    e2 = zeroplug.initialize(Wide(W, LAYERS), cfg)
     wide_steps(e2, W, 3, 1)         # optimizer states exist: the load fills them in place
     _, load = peak_bytes(lambda: e2.load_checkpoint(tmp_path / "ck"))
     assert wide_steps(e2, W, 2, 2) == after

@@ -8,7 +8,7 @@ import torch
 
 import zeroplug
 from distributed import run_ranks
-from toy import ToyNet, engine_losses, peak_bytes, wide_steps
+from toy import ToyNet, Wide, engine_losses, peak_bytes, wide_steps
 
 STAGES = ["stage1", "stage2", "stage3"]
 
@@ -113,15 +113,6 @@ SG = W * W + W                  # one Linear(512, 512): one unit, one sub-group
 SG_BYTES = 12 * SG              # its fp32 master + exp_avg + exp_avg_sq
 
 
-class Wide(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.Sequential(*[torch.nn.Linear(W, W) for _ in range(LAYERS)])
-
-    def forward(self, x):
-        return self.layers(x).float().pow(2).mean()
-
-
 def _wide_cfg(tier, path):
     cfg = {"zero": {"plugin": "stage2", "reduce_bucket_size": SG, "sub_group_size": SG},
            "optimizer": {"plugin": "adamw", "lr": 1e-3}, "batch": {"micro_batch_size": 4},
@@ -147,14 +138,14 @@ def test_nvme_checkpoint_peak_host_memory_is_one_sub_group(tmp_path):
     res = {}
     for tier in ("nvme", "cpu"):
         torch.manual_seed(0)
-        e = zeroplug.initialize(Wide(), _wide_cfg(tier, str(swap)))
+        e = zeroplug.initialize(Wide(W, LAYERS), _wide_cfg(tier, str(swap)))
         assert len(e.partitioner.master_params()) == LAYERS
         wide_steps(e, W, 1, 2)
         held = _state_bytes(e)
         path, save_peak = peak_bytes(lambda: e.save_checkpoint(tmp_path / tier))
         after = wide_steps(e, W, 2, 2)
         torch.manual_seed(5)
-        e2 = zeroplug.initialize(Wide(), _wide_cfg(tier, str(swap)))
+        e2 = zeroplug.initialize(Wide(W, LAYERS), _wide_cfg(tier, str(swap)))
         _, load_peak = peak_bytes(lambda: e2.load_checkpoint(tmp_path / tier))
         assert wide_steps(e2, W, 2, 2) == after, tier            # and the load is exact
         res[tier] = dict(held=held, save=save_peak, load=load_peak, path=path)

@@ -105,6 +105,18 @@ def peak_bytes(fn):
     return out, peak
 
 
+class Wide(torch.nn.Module):
+    """``layers`` Linear(width, width): with sub_group_size = width^2 + width, one unit and
+    one sub-group per layer (the checkpoint / swap memory tests)."""
+
+    def __init__(self, width=512, layers=6):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+    def forward(self, x):
+        return self.layers(x).float().pow(2).mean()
+
+
 def wide_steps(engine, width, seed, n):
     """``n`` steps of a model whose forward takes a (4, width) float batch and returns a loss."""
     g = torch.Generator().manual_seed(seed)

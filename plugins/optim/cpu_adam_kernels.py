@@ -55,55 +55,36 @@ _NO_BIAS_CORRECTION_STEP = float(2**40)
 # per element (the bias correction of the denominator is a multiplication by its
 # reciprocal, as in DeepSpeed's CPU-Adam), no select / lerp.  Scalars are fp32, as torch
 # rounds Python scalars for fp32 tensors; results match torch.optim.Adam(W) to a few ulp.
-def _adam_math(p, g, m, v, sc, adamw: bool):
+def _adam_update(p, g, m, v, sc, adamw: bool):
+    """p, m, v updated in place; returns the new p (for the low-precision copy)."""
     gf = g.to(torch.float32) * sc[0]
     if adamw:
-        p = p * sc[1]
+        p_decayed = p * sc[1]
     else:
+        p_decayed = p
         gf = gf + p * sc[1]
     m_new = m * sc[2] + sc[3] * gf
     v_new = v * sc[4] + (sc[5] * gf) * gf
     denom = v_new.sqrt() * sc[6] + sc[7]
-    p_new = p + (sc[8] * m_new) / denom
-    return p_new, m_new, v_new
-
-
-def _kernel_adamw(p, g, m, v, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, True)
+    p_new = p_decayed + (sc[8] * m_new) / denom
     p.copy_(p_new)
     m.copy_(m_new)
     v.copy_(v_new)
+    return p_new
 
 
-def _kernel_adam(p, g, m, v, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, False)
-    p.copy_(p_new)
-    m.copy_(m_new)
-    v.copy_(v_new)
+def _make_kernel(adamw: bool, has_lp: bool) -> Callable:
+    """The function compiled for one (AdamW or Adam, with or without lp copy) variant."""
+    if has_lp:
+        def kernel(p, g, m, v, lp, sc):
+            lp.copy_(_adam_update(p, g, m, v, sc, adamw))
+    else:
+        def kernel(p, g, m, v, sc):
+            _adam_update(p, g, m, v, sc, adamw)
+    return kernel
 
 
-def _kernel_adamw_lp(p, g, m, v, lp, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, True)
-    p.copy_(p_new)
-    m.copy_(m_new)
-    v.copy_(v_new)
-    lp.copy_(p_new)
-
-
-def _kernel_adam_lp(p, g, m, v, lp, sc):
-    p_new, m_new, v_new = _adam_math(p, g, m, v, sc, False)
-    p.copy_(p_new)
-    m.copy_(m_new)
-    v.copy_(v_new)
-    lp.copy_(p_new)
-
-
-_KERNELS = {
-    (True, False): _kernel_adamw,
-    (False, False): _kernel_adam,
-    (True, True): _kernel_adamw_lp,
-    (False, True): _kernel_adam_lp,
-}
+_KERNELS = {(adamw, has_lp): _make_kernel(adamw, has_lp) for adamw in (True, False) for has_lp in (True, False)}
 
 
 def _compile(adamw: bool, has_lp: bool, threads: int | None) -> Callable:
