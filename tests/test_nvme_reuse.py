@@ -43,7 +43,7 @@ def _states(engine) -> list[torch.Tensor]:
     """Every master and element-wise optimizer state, copied (all_resident: brings the
     swapped ones in and frees them again, leaves the resident ones as they are)."""
     part = engine.partitioner
-    with part.swap.all_resident(engine.optimizer, dirty=False) if part.swap is not None else nullcontext():
+    with part.swap.all_resident(engine.optimizer) if part.swap is not None else nullcontext():
         out = []
         for t in part.master_params():
             out.append(t.detach().clone())

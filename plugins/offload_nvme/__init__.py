@@ -162,10 +162,6 @@ class NVMeOffload(OffloadDevice):
     def offloaded(self) -> bool:
         return True
 
-    def plan(self, nbytes, what):
-        """The host part (the OffloadDevice protocol): the partitioner calls plan_swap
-        for the files and the staging buffers."""
-
     def plan_swap(self, total_bytes: int, largest_numel: int, element_size: int | None = None,
                   num_files: int = 0) -> SwapPlan:
         """Check before allocating: buffer_size >= ``largest_numel``, buffers fit in host memory,

@@ -98,7 +98,6 @@ _WARNED_BUFFERED = False
 
 @dataclass
 class _Entry:
-    nbytes: int
     file: str
     valid: bool = False
 
@@ -444,7 +443,7 @@ class AsyncSwapper:
     async def _write(self, key, path: str, src: torch.Tensor, prev) -> None:
         await self._after(prev)
         n = src.numel()
-        self._entries[key] = entry = _Entry(n, path)
+        self._entries[key] = entry = _Entry(path)
         fd = -1
         try:
             fd = await self._run(self._io, self._open, path, True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
+from zeroplug.flat import alloc_storage, free_storage
 
 
 class ParamSwap:
@@ -38,18 +38,16 @@ class ParamSwap:
         self.tier.plan_swap(sum(u.shard.numel() for u in out) * size, max(u.shard.numel() for u in out),
                             element_size=size, num_files=len(out))
         self.swapper = self.tier.swapper
-        for u in out:
-            self.swapper.write(("param", u.index), u.shard).wait()
-            u.shard.untyped_storage().resize_(0)
+        writes = [self.swapper.write(("param", u.index), u.shard) for u in out]
+        for u, f in zip(out, writes):
+            f.wait()
+            free_storage(u.shard)
             self.on_nvme.add(u.index)
-
-    def _alloc(self, u) -> None:
-        u.shard.untyped_storage().resize_(u.shard.numel() * u.shard.element_size())
 
     def start_read(self, u) -> None:
         i = u.index
         if i in self.on_nvme and i not in self.resident and i not in self.reads:
-            self._alloc(u)
+            alloc_storage(u.shard)
             self.reads[i] = self.swapper.read(("param", i), u.shard)
 
     def ensure(self, u) -> None:
@@ -69,7 +67,7 @@ class ParamSwap:
         event = getattr(u, "upload_event", None)
         if event is not None:
             event.synchronize()             # the DMA from the host shard has finished
-        u.shard.untyped_storage().resize_(0)
+        free_storage(u.shard)
         self.resident.discard(u.index)
 
     @contextmanager
@@ -81,16 +79,18 @@ class ParamSwap:
         f = self.reads.pop(u.index, None)
         if f is not None:
             f.wait()
-        self._alloc(u)
+        alloc_storage(u.shard)
         yield
         self.swapper.write(("param", u.index), u.shard).wait()
-        u.shard.untyped_storage().resize_(0)
+        free_storage(u.shard)
         self.resident.discard(u.index)
 
     @contextmanager
-    def all_in(self, write_back: bool):
-        """Every shard in host memory for the block (checkpoint save / load)."""
+    def all_in(self):
+        """Every shard in host memory for the block (checkpoint save), read-only."""
         units = [u for u in self.part.units if u.index in self.on_nvme]
+        for u in units:
+            self.start_read(u)              # every read in flight, then wait for each
         for u in units:
             self.ensure(u)
         self.held += 1
@@ -99,6 +99,4 @@ class ParamSwap:
         finally:
             self.held -= 1
             for u in units:
-                if write_back:
-                    self.swapper.write(("param", u.index), u.shard).wait()
                 self.drop(u)

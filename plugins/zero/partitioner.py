@@ -172,7 +172,6 @@ class FlatPartitioner(Partitioner):
         largest = max(sum(u.hi - u.lo for u in g) for g in groups)
         # master, m and v of every element in files; masters staged one sub-group at a time
         tier.plan_swap(12 * total, largest, element_size=4, num_files=3 * len(groups))
-        tier.plan(4 * total + 3 * 12 * largest, "the fp32 gradient shard and 3 staged sub-groups")
         self.master_flat = None
         self.master_grad_flat = tier.empty(total, torch.float32)
         self.master_grad_flat.zero_()
@@ -390,7 +389,7 @@ class FlatPartitioner(Partitioner):
             parts = active_part_writer()      # called through an override that does not pass it on
         if parts is not None:
             return export_state(self, optimizer, parts=parts)
-        with self.swap.all_resident(optimizer, dirty=False):
+        with self.swap.all_resident(optimizer):
             return _copy_tensors(export_state(self, optimizer))
 
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:

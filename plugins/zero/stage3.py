@@ -302,7 +302,7 @@ class Stage3(Stage2):
         if self.pswap is None or parts is not None:
             return super().checkpoint_state(optimizer, parts=parts)
         from .partitioner import _copy_tensors
-        with self.pswap.all_in(write_back=False):     # parameter shards read from their files
+        with self.pswap.all_in():     # parameter shards read from their files
             return _copy_tensors(super().checkpoint_state(optimizer))
 
     # load_checkpoint_state: import_state fills a shard on NVMe one unit at a time and writes it back

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 
 import torch
 
+from zeroplug.flat import alloc_storage, free_storage
+
 
 def _elementwise(v, t) -> bool:
     return torch.is_tensor(v) and v.shape == t.shape
@@ -57,14 +59,12 @@ class SubGroupSwap:
     def start_out(self, k: int, dirty: bool = True) -> None:
         if dirty:
             self.out[k] = [self.swapper.write((k, name), t) for name, t in self.tensors(k)]
-        else:
-            self.out[k] = []
 
     def finish_out(self, k: int) -> None:
         for f in self.out.pop(k, []):
             f.wait()
         for _, t in self.tensors(k):
-            t.untyped_storage().resize_(0)
+            free_storage(t)
         self.swapped.add(k)
 
     # -- in --------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class SubGroupSwap:
             return
         futures = []
         for name, t in self.tensors(k):
-            t.untyped_storage().resize_(t.numel() * t.element_size())
+            alloc_storage(t)
             futures.append(self.swapper.read((k, name), t))
         self.inn[k] = futures
 
@@ -84,14 +84,16 @@ class SubGroupSwap:
         self.swapped.discard(k)
 
     def swap_out_all(self) -> None:
-        for k in range(len(self.masters)):
-            if k not in self.swapped:
-                self.start_out(k)
-                self.finish_out(k)
+        ks = [k for k in range(len(self.masters)) if k not in self.swapped]
+        for k in ks:        # all in memory already: every write in flight at once
+            self.start_out(k)
+        for k in ks:
+            self.finish_out(k)
 
     @contextmanager
-    def all_resident(self, optimizer, dirty: bool):
-        """Every sub-group in memory for the block (checkpoint save / load), then back out."""
+    def all_resident(self, optimizer):
+        """Every sub-group in memory for the block (checkpoint save), then the ones that
+        were out back out (written only if the block created states for them)."""
         if optimizer is not None:
             self.optimizer = optimizer
         was_out = sorted(self.swapped)
@@ -102,17 +104,12 @@ class SubGroupSwap:
         try:
             yield
         finally:
-            # states a load created (optimizer moments) are written out too
-            for k in range(len(self.masters)):
-                if k in was_out or dirty:
-                    self.start_out(k, dirty=dirty or k in was_out and self._new_states(k))
-                    self.finish_out(k)
-
-    def _new_states(self, k: int) -> bool:
-        return any(not self.swapper_has((k, name)) for name, _ in self.tensors(k))
-
-    def swapper_has(self, key) -> bool:
-        return key in set(self.swapper.keys())
+            # states the block created (optimizer moments) are written out too
+            have = set(self.swapper.keys())
+            for k in was_out:
+                self.start_out(k, dirty=any((k, name) not in have for name, _ in self.tensors(k)))
+            for k in was_out:
+                self.finish_out(k)
 
     @contextmanager
     def resident(self, k: int, dirty: bool = False, optimizer=None):
