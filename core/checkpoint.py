@@ -52,11 +52,9 @@ from .checkpoint_files import (
     FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, _install, atomic_write_text,
     fsync_dir, prune, rank_file_name, read_manifest, resolve, verify, write_manifest, write_torch_file,
 )
-# Re-exported, so that everything stays importable from zeroplug.checkpoint:
+# Re-exported: the engine, the CLI, the zero plugin and the tests import them from here.
 from .checkpoint_export import consolidate, export  # noqa: F401
-from .checkpoint_files import (  # noqa: F401
-    MANIFEST, OLD_PREFIX, VERSION, atomic_torch_save, file_sha256, load, part_file_name, piece_view,
-)
+from .checkpoint_files import atomic_torch_save, load, piece_view  # noqa: F401
 
 log = logging.getLogger("zeroplug")
 
@@ -115,16 +113,6 @@ def set_rng_states(st: dict) -> None:
                              "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
 
 
-# --- collectives (no-ops on one rank) --------------------------------------------------
-
-def _broadcast(comm, obj):
-    return comm.broadcast_object(obj, src=0)
-
-
-def _all_gather(comm, obj) -> list:
-    return comm.all_gather_object(obj)
-
-
 # --- client state --------------------------------------------------------------------
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -165,7 +153,7 @@ def _partitioner_call(engine, name):
     return fn
 
 
-def _rank_state(engine, client_state, parts: PartWriter | None = None) -> dict:
+def _rank_state(engine, client_state, parts: PartWriter) -> dict:
     _check_plain(client_state, "client_state")
     extras = {}
     for d in engine.hook.zeroplug_checkpoint_state_save(engine=engine) or []:
@@ -176,12 +164,11 @@ def _rank_state(engine, client_state, parts: PartWriter | None = None) -> dict:
     export = _partitioner_call(engine, "checkpoint_state")
     token = _ACTIVE_PARTS.set(parts)
     try:
-        model = export(engine.optimizer, parts=parts) if parts is not None and _accepts(export, "parts") \
-            else export(engine.optimizer)
+        model = export(engine.optimizer, parts=parts) if _accepts(export, "parts") else export(engine.optimizer)
     finally:
         _ACTIVE_PARTS.reset(token)
     return {
-        "format": FORMAT, "version": 2 if parts is not None and parts.written else 1,
+        "format": FORMAT, "version": 2 if parts.written else 1,
         "rank": run.rank, "world_size": run.world_size,
         "counters": {"global_step": engine.global_step, "micro_step": engine.micro_step,
                      "skipped_steps": engine.skipped_steps, "lr_step": engine.lr_step},
@@ -215,7 +202,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             plan = {"tmp": tmp_name, "tag": tag}
         except (OSError, CheckpointError) as exc:
             plan = {"error": str(exc)}
-    plan = _broadcast(comm, plan)
+    plan = comm.broadcast_object(plan, src=0)
     if "error" in plan:
         raise CheckpointError(f"cannot save checkpoint in {save_dir}: {plan['error']}")
     tag, tmp = plan["tag"], save_dir / plan["tmp"]
@@ -233,7 +220,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     except Exception as exc:    # every rank must reach the exchange below, or the others hang
         failure = exc
         report = {"rank": rank, "file": fname, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
-    reports = _all_gather(comm, report)
+    reports = comm.all_gather_object(report)
     errors = [r["error"] for r in reports if r["error"]]
     if errors:
         if rank == 0:
@@ -270,7 +257,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             shutil.rmtree(tmp, ignore_errors=True)
             status = f"{type(exc).__name__}: {exc}"
             failure = exc
-    status = _broadcast(comm, status)
+    status = comm.broadcast_object(status, src=0)
     if status is not None:
         raise CheckpointError(f"checkpoint {tag!r} was not saved: {status}") from failure
     return str(final)

@@ -29,7 +29,6 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -303,14 +302,12 @@ class ShardSet:
     """The rank files of one verified checkpoint, read one at a time (memory-mapped), and
     their part files, opened (memory-mapped) when a piece names one."""
 
-    PARTS_OPEN = 1          # part files kept mapped for the pieces that follow
-
     def __init__(self, path: Path, manifest: dict):
         self.path, self.manifest = path, manifest
         self.meta = manifest["model"]
         self.world_size = int(manifest["world_size"])
         self._by_rank = {e["rank"]: n for n, e in manifest["files"].items() if "part" not in e}
-        self._parts: OrderedDict[str, dict] = OrderedDict()
+        self._part_open: tuple[str, dict] | None = None     # the last part file asked for stays mapped
         self._open: tuple[int, dict] | None = None
 
     def piece_states(self, name: str, pc: dict) -> dict:
@@ -327,10 +324,8 @@ class ShardSet:
         return found
 
     def _part(self, ref) -> dict:
-        hit = self._parts.get(ref)
-        if hit is not None:
-            self._parts.move_to_end(ref)
-            return hit
+        if self._part_open is not None and self._part_open[0] == ref:
+            return self._part_open[1]
         entry = self.manifest["files"].get(ref) if isinstance(ref, str) else None
         if entry is None or "part" not in entry:
             raise CheckpointError(f"checkpoint {str(self.path)!r}: a piece names the part file {ref!r}, "
@@ -342,9 +337,7 @@ class ShardSet:
         if not isinstance(obj, dict) or obj.get("format") != FORMAT or not isinstance(obj.get("pieces"), dict):
             raise CheckpointError(f"checkpoint {str(self.path)!r}: file {ref} is not a zeroplug part file")
         index = {(n, p["start"], p["end"]): p for n, ps in obj["pieces"].items() for p in ps}
-        self._parts[ref] = index
-        while len(self._parts) > self.PARTS_OPEN:
-            self._parts.popitem(last=False)
+        self._part_open = (ref, index)
         return index
 
     def rank_piece(self, rank: int, name: str, i: int) -> dict:
@@ -361,7 +354,7 @@ class ShardSet:
 
     def release(self) -> None:
         """Unmap the files still open."""
-        self._parts.clear()
+        self._part_open = None
         self._open = None
 
     def load_rank(self, rank: int) -> dict:

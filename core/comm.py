@@ -110,8 +110,7 @@ class Comm:
     def all_reduce_scalar(self, value: float, op=None) -> float:
         if not self.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.float64,
-                         device="cuda" if self.backend == "nccl" else "cpu")
+        t = torch.tensor([value], dtype=torch.float64, device=self._wire())
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
         return t.item()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .options import AUTO, build_options, opt, suggest
+from .options import AUTO, build_options, check_keys, opt, suggest
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -162,15 +163,9 @@ def _resolve_batch(b: BatchOptions, world: int) -> BatchOptions:
 
 
 def _check_shared(table, name: str, options_cls) -> None:
-    from .options import fields_of
     if not isinstance(table, dict):
         raise ConfigError(f"[{name}] must be a table", key=name)
-    known = fields_of(options_cls)
-    names = set(known) | {a for f, _ in known.values() for a in f.metadata.get("alias", ())}
-    for key in table:
-        if key not in names:
-            raise ConfigError(f"unknown key {name}.{key}.{suggest(key, names)} "
-                              f"Known keys of [{name}]: {', '.join(sorted(known))}", key=f"{name}.{key}")
+    check_keys(options_cls, table, name)
 
 
 def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
@@ -183,13 +178,15 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
     # Note: an implementation may name top-level tables whose keys are defaults for its own
     # options (`shared_tables`), e.g. DeepSpeed's [aio] for the nvme tier: one [aio] serves
     # both [offload.optimizer] and [offload.param].
-    shared = {t for reg in pm.registry().values() for r in reg.values()
-              for t in getattr(r.impl, "shared_tables", ())}
+    owners: dict[str, list] = {}     # shared table -> [(slot, registration)] that read it
+    for slot, reg in pm.registry().items():
+        for r in reg.values():
+            for t in getattr(r.impl, "shared_tables", ()):
+                owners.setdefault(t, []).append((slot, r))
+    shared = set(owners)
     known_top = set(CORE_TABLES) | {p.split(".")[0] for p in SLOT_TABLES} | shared
     for t in shared & set(raw):     # checked even when no selected plugin uses it
-        owner = next(r.impl for reg in pm.registry().values() for r in reg.values()
-                     if t in getattr(r.impl, "shared_tables", ()))
-        _check_shared(raw[t], t, owner.Options)
+        _check_shared(raw[t], t, owners[t][0][1].impl.Options)
     for key, value in raw.items():
         if key not in known_top:
             raise ConfigError(f"unknown table [{key}].{suggest(key, known_top)} "
@@ -223,11 +220,9 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
         options = build_options(reg.impl.Options, table, path)
         slots[path] = SlotChoice(path, name, reg.impl, options)
     for t in sorted(shared & set(raw) - used_shared):
-        import logging
         logging.getLogger("zeroplug").warning(
             "[zeroplug] [%s] is set but no selected plugin uses it (it configures: %s); it changes nothing",
-            t, ", ".join(sorted(f"{s}:{r.name}" for s, reg in pm.registry().items() for r in reg.values()
-                                if t in getattr(r.impl, "shared_tables", ()))))
+            t, ", ".join(sorted(f"{s}:{r.name}" for s, r in owners[t])))
     cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size)
     for choice in slots.values():   # cross-slot rules, e.g. offload.param needs stage 3
         check = getattr(choice.impl, "check_config", None)

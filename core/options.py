@@ -121,18 +121,27 @@ def suggest(name: str, candidates) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def build_options(cls: type, table: dict, path: str) -> Any:
-    """Validate ``table`` (the TOML table at ``path``) into an instance of ``cls``."""
+def check_keys(cls: type, table: dict, path: str) -> dict[str, str]:
+    """Every key of ``table`` names an option of ``cls`` (or an alias): otherwise a
+    ConfigError with a did-you-mean. Returns the aliases (alias -> option name)."""
     known = fields_of(cls)
     aliases = {a: name for name, (f, _) in known.items() for a in f.metadata.get("alias", ())}
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        name = aliases.get(key, key)
-        if name not in known:
+    for key in table:
+        if aliases.get(key, key) not in known:
             raise ConfigError(
                 f"unknown key {path}.{key}.{suggest(key, list(known) + list(aliases))} "
                 f"Known keys of [{path}]: {', '.join(sorted(known)) or '(none)'}",
                 key=f"{path}.{key}")
+    return aliases
+
+
+def build_options(cls: type, table: dict, path: str) -> Any:
+    """Validate ``table`` (the TOML table at ``path``) into an instance of ``cls``."""
+    known = fields_of(cls)
+    aliases = check_keys(cls, table, path)
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        name = aliases.get(key, key)
         if name in values:
             raise ConfigError(f"{path}.{key} is given twice (also as {name!r}); keep one", key=f"{path}.{key}")
         f, tp = known[name]

@@ -327,10 +327,8 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                     source = (1, rank, i) if "param" in pc or not isinstance(ref, str) else (0, ref, 0)
                     if seg.unit in on_nvme:     # its shard is in a swap file: filled unit by unit
                         lp_later.setdefault(seg.unit, []).append((source, seg, name, pc["start"], pc["end"], x, y))
-                    elif part.alias:     # one tensor: prefer exact fp32 masters when saved
-                        seg.lp[dst].copy_(_lp_value(states, name, pc, load_master)[src])
-                    else:
-                        seg.lp[dst].copy_(_lp_value(states, name, pc, False)[src])
+                    else:                # an alias (one tensor): prefer exact fp32 masters when saved
+                        seg.lp[dst].copy_(_lp_value(states, name, pc, part.alias and load_master)[src])
                     filled[j] += y - x
                     if swap is not None:           # the masters are in swap files: later
                         source = (0, ref, 0) if isinstance(ref, str) else (1, rank, i)

@@ -47,7 +47,6 @@ class Stage3(Stage2):
         self.prefetch_size = int(0.9 * h * h) if o.stage3_prefetch_bucket_size == "auto" \
             else o.stage3_prefetch_bucket_size
         self.params_offloaded = offload_param.offloaded
-        self.param_tier = offload_param
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
         super().setup(module, precision, offload_optimizer, offload_param)
@@ -120,7 +119,7 @@ class Stage3(Stage2):
             lo, hi = layout.shard_range(rank)
             shard = full[lo:hi] if world == 1 else full[lo:hi].clone()
         if self.params_offloaded:     # the shard lives in the param tier (pinned host memory)
-            host = self.param_tier.empty(shard.numel(), self.pdtype)
+            host = self.offload_param.empty(shard.numel(), self.pdtype)
             host.copy_(shard)
             shard = host
         unit = Unit(index, params, layout, full, rank, sharded_params=world > 1 or self.params_offloaded,
@@ -212,13 +211,13 @@ class Stage3(Stage2):
 
     def _post_forward(self, module, args, output):
         units = self.units_of_module[module]
-        if torch.is_grad_enabled() and any(p.requires_grad for u in units for p in u.params):
+        backward_follows = torch.is_grad_enabled() and any(p.requires_grad for u in units for p in u.params)
+        if backward_follows:
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(lambda grad, m=module: self._pre_backward(m))
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
-        backward_follows = torch.is_grad_enabled() and any(p.requires_grad for u in units for p in u.params)
         for u in units:
             if not self._reused_soon(u, backward_follows):
                 self._release(u)
