@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -13,6 +14,9 @@ from zeroplug.options import opt
 from zeroplug.slots import OffloadDevice
 
 log = logging.getLogger("zeroplug")
+
+#: gpu_step_ratio = "auto" on a GPU: the share measured best on the H100 machine (docs/benchmarks.md)
+AUTO_GPU_STEP_RATIO = 0.4
 
 
 class NoOffload(OffloadDevice):
@@ -25,8 +29,16 @@ class NoOffload(OffloadDevice):
 @dataclass(frozen=True)
 class CPUOptions:
     pin_memory: bool = opt(True, "Page-locked host buffers: faster copies, memory others cannot use.")
-    ratio: float = opt(1.0, "Fraction of the optimizer state to offload (only 1.0 is supported).",
-                       min=1.0, max=1.0)
+    ratio: float = opt(1.0, "Fraction of the optimizer state to offload (only 1.0 is supported; see "
+                            "gpu_step_ratio for putting the GPU to work on the step).", min=1.0, max=1.0)
+    gpu_step_ratio: float | Literal["auto"] = opt(
+        "auto", "Share of the offloaded optimizer step (in elements) that the GPU computes while the CPU "
+                "steps the rest: those sub-groups' states stay in host memory and are streamed H2D, stepped "
+                "by torch's fused AdamW and streamed back. 0 = cpu_adam steps everything; \"auto\" = "
+                f"{AUTO_GPU_STEP_RATIO} on a GPU, 0 on a CPU-only run. Needs cpu_adam and pin_memory.",
+        min=0.0, max=1.0)
+    gpu_step_chunk: int = opt(1 << 24, "Elements per H2D/D2H chunk of the GPU step; three chunk buffers "
+                                       "(18-20 bytes per element) live on the GPU.", min=1 << 10)
     overlap_step: bool = opt(True, "Stage 3: the CPU steps sub-groups on a worker thread while the next "
                                    "forward runs (each unit waits for its own sub-group; the same values "
                                    "as false). On the H100 machine: 1.3B 0.590 s/step against 0.609-0.645 "
@@ -79,6 +91,17 @@ class CPUOffload(OffloadDevice):
                                       f"GiB failed (CUDA error {int(err)}); set pin_memory = false or free memory")
             self._registered.append(t)
         return t
+
+    def pin(self, t: torch.Tensor) -> None:
+        """Page-lock an existing host tensor's storage (no-op when pinned or pinning is off)."""
+        if not (self.options.pin_memory and torch.cuda.is_available()) or t.is_pinned() or not t.numel():
+            return
+        base = t.untyped_storage()
+        err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.nbytes(), 0)
+        if int(err) != 0:
+            raise HostMemoryError(f"offload.{self.kind} = \"cpu\": pinning {base.nbytes() / GB:.2f} GiB failed "
+                                  f"(CUDA error {int(err)}); set pin_memory = false or free memory")
+        self._registered.append(torch.empty(0).set_(base))
 
     def close(self):
         while self._registered:

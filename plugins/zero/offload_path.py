@@ -61,12 +61,62 @@ class OffloadPath:
         self._stepped: list[threading.Event] = []  # set when sub-group k is stepped and published
         self._uploaded: dict[int, object] = {}     # k -> CUDA event of its H2D (device shards)
         self.overlapped_steps = 0                  # a statistic for tests and benchmarks
+        self.lane = None                           # the GPU lane (gpu_lane.py), made at the first step
+        self.lane_groups: set[int] = set()         # sub-groups it steps
+        self._lane_decided = False
+
+    def _gpu_step_ratio(self) -> float:
+        o = self.part.offload_optimizer.options
+        r = getattr(o, "gpu_step_ratio", 0.0)
+        if r == "auto":
+            from zeroplug.plugins.offload_cpu import AUTO_GPU_STEP_RATIO
+            return AUTO_GPU_STEP_RATIO if self.cuda else 0.0
+        return float(r)
+
+    def _make_lane(self, optimizer, ranges, fused: bool) -> None:
+        """Decide, once, which sub-groups the GPU lane steps (see gpu_lane.py)."""
+        import logging
+
+        from .gpu_lane import GPULane, assign
+        ratio = self._gpu_step_ratio()
+        tier = self.part.offload_optimizer
+        why = None
+        if ratio <= 0:
+            return
+        if not fused or not all(g.get("bias_correction", False) for g in optimizer.param_groups):
+            why = ("it needs optimizer cpu_adam (or auto) with bias_correction = true, and parameters "
+                   "not on nvme")
+        elif self.cuda and not (tier.options.pin_memory and getattr(self.part.offload_param.options,
+                                                                       "pin_memory", True)):
+            why = "it needs pin_memory = true (asynchronous copies)"
+        if why is not None:
+            if self.part.run.rank == 0:
+                logging.getLogger("zeroplug").warning(
+                    "[zeroplug] offload.optimizer.gpu_step_ratio = %s ignored: %s", ratio, why)
+            return
+        self.lane_groups = assign([b - a for a, b in ranges], ratio)
+        if not self.lane_groups:
+            return
+        largest = max(ranges[k][1] - ranges[k][0] for k in self.lane_groups)
+        self.lane = GPULane(self, tier.options.gpu_step_chunk, largest)
+        if self.part.run.rank == 0:
+            n = sum(ranges[k][1] - ranges[k][0] for k in self.lane_groups)
+            logging.getLogger("zeroplug").info(
+                "[zeroplug] offload.optimizer: the GPU steps %d of %d sub-groups (%.0f%% of %d elements; "
+                "%.2f GiB of chunk buffers), cpu_adam the rest", len(self.lane_groups), len(ranges),
+                100.0 * n / max(1, ranges[-1][1]), ranges[-1][1], self.lane.gpu_bytes() / 2**30)
+
+    def lp_on_device(self, a: int, b: int) -> bool:
+        """Whether the model-dtype shards of master elements [a, b) are on the training device."""
+        return all(u.shard.device.type != "cpu" for u, _, _, _ in self._pieces(a, b))
 
     # -- backward: one unit's reduced gradient -----------------------------------------
     def grad_ready(self, u, src: torch.Tensor, first_micro: bool) -> None:
         """``src``: this rank's reduced gradient shard of unit ``u`` on the device."""
         self.wait_unit(u, device=False)     # the previous step has read this gradient buffer
         dst = u.master.grad
+        if self.lane is not None and self.cuda:     # ... and the GPU lane's H2D of it is done
+            self.lane.order_after(self.sub_group_of_unit(u), self.d2h)
         if first_micro and self.gpu_norm:
             self.norm_sq += src.float().pow(2).sum()
         if not self.cuda:
@@ -107,6 +157,13 @@ class OffloadPath:
         threads = self.overlap_threads() if overlapped else None
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        if self.part.swap is None and not self._lane_decided:
+            self._lane_decided = True
+            self._make_lane(optimizer, ranges, fused)
+        lane = self.lane_groups if fused and self.part.swap is None else set()
+        for k in sorted(lane):      # queued first: the GPU works while the CPU steps the rest
+            self.lane.enqueue(optimizer, k, masters[k], ranges[k][0], mult)
+        cpu_groups = [k for k in range(len(ranges)) if k not in lane]
 
         def step_one(k: int) -> None:
             a, b = ranges[k]
@@ -126,11 +183,13 @@ class OffloadPath:
         if self.part.swap is not None:
             self.part.swap.step(optimizer, step_one, self.publish_done)
         elif overlapped:
-            self._start_overlapped(step_one, ranges)
+            self._start_overlapped(step_one, ranges, cpu_groups, lane)
             return
         else:
-            for k in range(len(ranges)):
+            for k in cpu_groups:
                 step_one(k)
+        if lane:
+            self.lane.synchronize()     # host readers of the states may come next
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
 
@@ -144,18 +203,25 @@ class OffloadPath:
         n = getattr(self.part.offload_optimizer.options, "overlap_step_threads", 0)
         return n or max(1, torch.get_num_threads() - 1)
 
-    def _start_overlapped(self, step_one, ranges) -> None:
+    def sub_group_of_unit(self, u) -> int | None:
         if not self.sub_group_of:
-            for u, off in zip(self.part.units, self.unit_offsets):
-                if u.hi > u.lo:     # an empty shard on this rank belongs to no sub-group
-                    self.sub_group_of[u.index] = next(k for k, (a, b) in enumerate(ranges) if a <= off < b)
+            ranges = self.part.sub_group_ranges
+            for v, off in zip(self.part.units, self.unit_offsets):
+                if v.hi > v.lo:     # an empty shard on this rank belongs to no sub-group
+                    self.sub_group_of[v.index] = next(k for k, (a, b) in enumerate(ranges) if a <= off < b)
+        return self.sub_group_of.get(u.index)
+
+    def _start_overlapped(self, step_one, ranges, cpu_groups, lane) -> None:
+        self.sub_group_of_unit(self.part.units[0])      # the map, built once
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
         self._stepped = [threading.Event() for _ in ranges]
-        self._uploaded = {}
+        self._uploaded = {k: self.lane.events[k] for k in lane if k in self.lane.events}
+        for k in lane:
+            self._stepped[k].set()      # queued on the GPU: waiting is the device's business
 
         def run() -> None:
-            for k in range(len(ranges)):
+            for k in cpu_groups:
                 step_one(k)
                 if self.cuda:
                     ev = self.events.get(("staging", k % 2))
@@ -194,6 +260,8 @@ class OffloadPath:
         if fut is None:
             return
         fut.result()
+        if self.lane is not None:
+            self.lane.synchronize()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
 
@@ -211,7 +279,7 @@ class OffloadPath:
     def _lp_target(self, k: int, a: int, b: int):
         """Where sub-group k's model-dtype values go: the host shards themselves (a list of
         slices), or the staging buffer its upload reads (a tensor)."""
-        if self.part.units[0].shard.device.type == "cpu":
+        if not self.lp_on_device(a, b):
             return [u.shard[x:y] for u, x, y, _ in self._pieces(a, b)]
         size = max(hi - lo for lo, hi in self.part.sub_group_ranges)
         while len(self.host_staging) < 2:

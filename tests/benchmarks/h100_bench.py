@@ -127,6 +127,10 @@ def workload(args) -> dict:
         if args.overlap_step:
             cfg["offload"]["optimizer"]["overlap_step"] = True
             cfg["offload"]["optimizer"]["overlap_step_threads"] = args.overlap_threads
+        if args.gpu_step_ratio is not None and args.offload_optimizer == "cpu":
+            r = args.gpu_step_ratio
+            cfg["offload"]["optimizer"]["gpu_step_ratio"] = r if r == "auto" else float(r)
+            cfg["offload"]["optimizer"]["gpu_step_chunk"] = int(args.gpu_step_chunk)
         cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
     if args.reuse_distance is not None:
         cfg["zero"]["stage3_max_reuse_distance"] = int(args.reuse_distance)
@@ -265,6 +269,9 @@ def main():
     p.add_argument("--overlap-threads", type=int, default=0, help="overlap_step_threads (0: all cores but one)")
     p.add_argument("--no-reuse", action="store_true", help="[offload.optimizer] reuse_resident = false (nvme)")
     p.add_argument("--reuse-distance", type=float, default=None, help="zero.stage3_max_reuse_distance")
+    p.add_argument("--gpu-step-ratio", default=None, help="[offload.optimizer] gpu_step_ratio (cpu tier): a "
+                   "number or auto; default: the option's default")
+    p.add_argument("--gpu-step-chunk", type=float, default=2**24, help="[offload.optimizer] gpu_step_chunk")
     p.add_argument("--json")
     args = p.parse_args()
     if "LOCAL_RANK" in os.environ:
