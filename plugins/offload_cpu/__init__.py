@@ -39,6 +39,11 @@ class CPUOptions:
         min=0.0, max=1.0)
     gpu_step_chunk: int = opt(1 << 24, "Elements per H2D/D2H chunk of the GPU step; three chunk buffers "
                                        "(18-20 bytes per element) live on the GPU.", min=1 << 10)
+    grad_dtype: Literal["auto", "fp32"] = opt(
+        "auto", "Dtype of the gradient shard in host memory: \"auto\" = the model's dtype (bf16/fp16) where that "
+                "holds the reduced gradient exactly (one rank, or reduce_dtype = the model dtype; no gradient "
+                "accumulation; cpu_adam): half the D2H bytes and 2 bytes less host memory traffic per element, the "
+                "same values; else fp32.")
     overlap_step: bool = opt(True, "Stage 3: the CPU steps sub-groups on a worker thread while the next "
                                    "forward runs (each unit waits for its own sub-group; the same values "
                                    "as false). On the H100 machine: 1.3B 0.590 s/step against 0.609-0.645 "

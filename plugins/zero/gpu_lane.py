@@ -73,12 +73,17 @@ class GPULane:
 
     def gpu_bytes(self) -> int:
         """GPU memory the lane's chunk buffers take (master, grad, m, v in fp32 + lp)."""
-        return self.nbuf * self.chunk * (16 + torch.finfo(self.part.pdtype).bits // 8)
+        g = self.part.master_grad_flat.dtype
+        extra = torch.finfo(g).bits // 8 if g != torch.float32 else 0
+        return self.nbuf * self.chunk * (16 + torch.finfo(self.part.pdtype).bits // 8 + extra)
 
     def _buffers(self, j: int) -> list[torch.Tensor]:
         while len(self._bufs) <= j:
             f32 = [torch.empty(self.chunk, dtype=torch.float32, device=self.device) for _ in range(4)]
-            self._bufs.append(f32 + [torch.empty(self.chunk, dtype=self.part.pdtype, device=self.device)])
+            lp = torch.empty(self.chunk, dtype=self.part.pdtype, device=self.device)
+            g = self.part.master_grad_flat.dtype       # a model-dtype host gradient lands here first
+            g16 = torch.empty(self.chunk, dtype=g, device=self.device) if g != torch.float32 else None
+            self._bufs.append(f32 + [lp, g16])
         return self._bufs[j]
 
     def _states(self, optimizer, p: torch.Tensor) -> dict:
@@ -124,15 +129,20 @@ class GPULane:
             y = min(n, x + self.chunk)
             j = self._next
             self._next = (j + 1) % self.nbuf
-            bufs = [t[:y - x] for t in self._buffers(j)]
+            bufs = [t[:y - x] if t is not None else None for t in self._buffers(j)]
             if not self.cuda:
                 self._chunk(bufs, host, x, y, a, kernel, hp, scale, on_gpu)
                 continue
             with torch.cuda.stream(self.h2d):
                 if self._free[j] is not None:
                     self.h2d.wait_event(self._free[j])
+                g16 = bufs[5]
                 for d, h in zip(bufs, host):
-                    d.copy_(h[x:y], non_blocking=True)
+                    if d is bufs[1] and g16 is not None:
+                        g16.copy_(h[x:y], non_blocking=True)    # 2 bytes over the link, widened here
+                        d.copy_(g16)
+                    else:
+                        d.copy_(h[x:y], non_blocking=True)
                 ready = self.h2d.record_event()
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(ready)
@@ -142,7 +152,7 @@ class GPULane:
             self.events[k] = self._free[(self._next - 1) % self.nbuf]
 
     def _chunk(self, bufs, host, x, y, a, kernel, hp, scale, on_gpu) -> None:
-        bp, bg, bm, bv, blp = bufs
+        bp, bg, bm, bv, blp, _ = bufs
         if not self.cuda:
             for d, h in zip(bufs, host):
                 d.copy_(h[x:y])

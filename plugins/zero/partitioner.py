@@ -120,26 +120,46 @@ class FlatPartitioner(Partitioner):
         total = sum(u.hi - u.lo for u in self.units)
         if getattr(tier, "swaps_states", False):
             return self._make_swapped_masters(tier, total)
-        # fp32 master + fp32 gradient here, and Adam's two fp32 moments created beside them
-        tier.plan(16 * total, f"{total:,} fp32 master elements: master 4 + gradient 4 + "
-                              f"optimizer states 8 bytes each")
+        # fp32 master + gradient here, and Adam's two fp32 moments created beside them
+        gdt = self._host_grad_dtype()
+        gb = torch.finfo(gdt).bits // 8
+        tier.plan((12 + gb) * total, f"{total:,} fp32 master elements: master 4 + gradient {gb} + "
+                                     f"optimizer states 8 bytes each")
         self.master_flat = tier.empty(total, torch.float32)
-        self.master_grad_flat = tier.empty(total, torch.float32)
+        self.master_grad_flat = tier.empty(total, gdt)
         self.master_grad_flat.zero_()
         off = 0
         for u in self.units:
             n = u.hi - u.lo
             u.master = self.master_flat[off:off + n]
             u.master.copy_(u.shard)
-            u.master.grad = self.master_grad_flat[off:off + n]
+            _set_grad(u.master, self.master_grad_flat[off:off + n])
             off += n
         self._master_list = []
         self.sub_group_ranges = (self._unit_aligned_ranges() if self.offloaded
                                  else sub_group_ranges(total, self.options.sub_group_size))
         for a, b in self.sub_group_ranges:
             t = self.master_flat[a:b]
-            t.grad = self.master_grad_flat[a:b]
+            _set_grad(t, self.master_grad_flat[a:b])
             self._master_list.append(t)
+
+    def _host_grad_dtype(self) -> torch.dtype:
+        """The offloaded gradient shard's dtype: the model's where it holds every reduced
+        gradient exactly (see the cpu tier's grad_dtype), else fp32.
+
+        Note: with one rank (or a reduction in the model dtype) the reduced gradient is the
+        model-dtype gradient itself, so a bf16 shard loses nothing; cpu_adam widens it
+        inside its one pass. That is 2 bytes less per element to copy D2H, to write and to
+        read again: the offloaded step is bound by host memory traffic."""
+        cfg = self.run.config
+        opt = cfg.slot("optimizer").name
+        if (not self.offloaded or getattr(self.offload_optimizer.options, "grad_dtype", "fp32") != "auto"
+                or self.pdtype == torch.float32 or cfg.batch.gradient_accumulation_steps != 1
+                or not (self.comm.world_size == 1 or self.rdtype == self.pdtype)
+                or not (opt == "cpu_adam" or (opt == "auto" and self.device.type != "cpu"))
+                or not _mixed_grad_ok()):
+            return torch.float32
+        return self.pdtype
 
     def _unit_groups(self) -> list[list[Unit]]:
         """Offloaded sub-groups: consecutive whole units up to sub_group_size elements (a
@@ -423,6 +443,22 @@ class FlatPartitioner(Partitioner):
             if given:
                 logging.getLogger("zeroplug").warning(
                     "[zeroplug] zero.%s applies to stage 3 only; %s ignores it", given[0], choice.name)
+
+
+def _mixed_grad_ok() -> bool:
+    """Whether this torch lets an fp32 tensor hold a gradient of another dtype."""
+    try:
+        _set_grad(torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16))
+        return True
+    except RuntimeError:
+        return False
+
+
+def _set_grad(t: torch.Tensor, g: torch.Tensor) -> None:
+    """``t.grad = g``, also where g's dtype differs (an fp32 master, a bf16 gradient shard)."""
+    if g.dtype != t.dtype and hasattr(t, "grad_dtype"):
+        t.grad_dtype = None     # Note: torch >= 2.10 checks .grad's dtype unless told not to
+    t.grad = g
 
 
 def _copy_tensors(obj):

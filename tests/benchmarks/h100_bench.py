@@ -131,6 +131,8 @@ def workload(args) -> dict:
             r = args.gpu_step_ratio
             cfg["offload"]["optimizer"]["gpu_step_ratio"] = r if r == "auto" else float(r)
             cfg["offload"]["optimizer"]["gpu_step_chunk"] = int(args.gpu_step_chunk)
+        if args.grad_dtype and args.offload_optimizer == "cpu":
+            cfg["offload"]["optimizer"]["grad_dtype"] = args.grad_dtype
         cfg["zero"].update(reduce_bucket_size=args.bucket, sub_group_size=args.sub_group)
     if args.reuse_distance is not None:
         cfg["zero"]["stage3_max_reuse_distance"] = int(args.reuse_distance)
@@ -181,6 +183,13 @@ def workload(args) -> dict:
            "tflops_per_gpu": tps * flops_per_token(mcfg, args.seq) / 1e12,   # includes the 4/3 recompute
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "rss_gib": host_rss_bytes() / GB,
            "peak_rss_gib": peak_rss() / GB, "times": times}
+    if args.baseline is None:
+        off = engine.partitioner.offload
+        grads = getattr(engine.partitioner, "master_grad_flat", None)
+        res["host_grad_dtype"] = str(grads.dtype) if grads is not None else None
+        res["gpu_lane_share"] = (sum(engine.partitioner.master_params()[k].numel() for k in off.lane_groups)
+                                 / max(1, sum(t.numel() for t in engine.partitioner.master_params()))
+                                 if off is not None else 0.0)
     if bw is not None:
         rd, wr = moved[-1]
         floor = rd / bw[1] + wr / bw[0]
@@ -194,7 +203,8 @@ def workload(args) -> dict:
     if rank == 0:
         print(f"RESULT {res['zero']:>7} {args.model} world={world} step={med:.3f}s "
               f"tokens/s/gpu={tps:,.0f} TFLOPS={res['tflops_per_gpu']:.0f} "
-              f"peakGPU={res['peak_gpu_gib']:.1f}GiB RSS={res['rss_gib']:.1f}GiB", flush=True)
+              f"peakGPU={res['peak_gpu_gib']:.1f}GiB RSS={res['rss_gib']:.1f}GiB "
+              f"grads={res.get('host_grad_dtype')} lane={res.get('gpu_lane_share', 0):.2f}", flush=True)
     return res
 
 
@@ -272,6 +282,7 @@ def main():
     p.add_argument("--gpu-step-ratio", default=None, help="[offload.optimizer] gpu_step_ratio (cpu tier): a "
                    "number or auto; default: the option's default")
     p.add_argument("--gpu-step-chunk", type=float, default=2**24, help="[offload.optimizer] gpu_step_chunk")
+    p.add_argument("--grad-dtype", choices=["auto", "fp32"], default=None, help="[offload.optimizer] grad_dtype")
     p.add_argument("--json")
     args = p.parse_args()
     if "LOCAL_RANK" in os.environ:
