@@ -38,8 +38,9 @@ class CPUOptions:
                 f"{AUTO_GPU_STEP_RATIO} beside the overlapped stage-3 step on a GPU, else 0 (measured: it pays only "
                 "there). Needs cpu_adam and pin_memory.",
         min=0.0, max=1.0)
-    gpu_step_chunk: int = opt(1 << 24, "Elements per H2D/D2H chunk of the GPU step; three chunk buffers "
-                                       "(18-20 bytes per element) live on the GPU.", min=1 << 10)
+    gpu_step_chunk: int = opt(1 << 23, "Elements per H2D/D2H chunk of the GPU step; three chunk buffers "
+                                       "(18-20 bytes per element: 0.5 GB by default) live on the GPU.",
+                              min=1 << 10)
     grad_dtype: Literal["auto", "fp32"] = opt(
         "auto", "Dtype of the gradient shard in host memory: \"auto\" = the model's dtype (bf16/fp16) where that "
                 "holds the reduced gradient exactly (one rank, or reduce_dtype = the model dtype; no gradient "

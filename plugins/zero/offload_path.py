@@ -262,9 +262,11 @@ class OffloadPath:
         fut, self._future = self._future, None
         if fut is None:
             return
-        fut.result()
-        if self.lane is not None:
-            self.lane.synchronize()
+        try:
+            fut.result()
+        finally:
+            if self.lane is not None:
+                self.lane.synchronize()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
 

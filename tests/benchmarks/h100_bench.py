@@ -130,6 +130,7 @@ def workload(args) -> dict:
         if args.gpu_step_ratio is not None and args.offload_optimizer == "cpu":
             r = args.gpu_step_ratio
             cfg["offload"]["optimizer"]["gpu_step_ratio"] = r if r == "auto" else float(r)
+        if args.gpu_step_chunk and args.offload_optimizer == "cpu":
             cfg["offload"]["optimizer"]["gpu_step_chunk"] = int(args.gpu_step_chunk)
         if args.grad_dtype and args.offload_optimizer == "cpu":
             cfg["offload"]["optimizer"]["grad_dtype"] = args.grad_dtype
@@ -281,7 +282,7 @@ def main():
     p.add_argument("--reuse-distance", type=float, default=None, help="zero.stage3_max_reuse_distance")
     p.add_argument("--gpu-step-ratio", default=None, help="[offload.optimizer] gpu_step_ratio (cpu tier): a "
                    "number or auto; default: the option's default")
-    p.add_argument("--gpu-step-chunk", type=float, default=2**24, help="[offload.optimizer] gpu_step_chunk")
+    p.add_argument("--gpu-step-chunk", type=float, default=None, help="[offload.optimizer] gpu_step_chunk")
     p.add_argument("--grad-dtype", choices=["auto", "fp32"], default=None, help="[offload.optimizer] grad_dtype")
     p.add_argument("--json")
     args = p.parse_args()
