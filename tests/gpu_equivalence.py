@@ -40,6 +40,27 @@ def main() -> int:
             if rank == 0:
                 print(f"world={world} {stage} {prec}: max rel loss diff {rel:.2e} "
                       f"(tol {TOL[prec]:.0e}) {'OK' if ok else 'MISS'}", flush=True)
+    # the cpu offload tier on N GPUs: cpu_adam, the GPU lane, bf16 host gradients (bf16 reduction)
+    for stage, params, ratio, reduce in (("stage2", "none", 0.5, "bf16"), ("stage3", "cpu", "auto", "bf16"),
+                                         ("stage3", "cpu", 0.5, "fp32")):
+        cfg = {"zero": {"plugin": stage, "reduce_bucket_size": 500, "sub_group_size": 300,
+                        "stage3_param_persistence_threshold": 0},
+               "precision": {"plugin": "bf16", "reduce_dtype": reduce},
+               "optimizer": {"plugin": "cpu_adam", "lr": 1e-2, "weight_decay": 0.01},
+               "batch": {"micro_batch_size": batch // world, "gradient_clipping": 0.5},
+               "offload": {"optimizer": {"plugin": "cpu", "gpu_step_ratio": ratio}, "param": {"plugin": params}},
+               "monitor": {"plugin": "none"}}
+        losses, eng = engine_losses(ToyNet, steps, batch, cfg, rank, world, use_init=stage == "stage3",
+                                    device="cuda")
+        off = eng.partitioner.offload
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        ok = rel <= TOL["bf16"] and off.lane is not None and off.lane.elements > 0
+        bad += not ok
+        if rank == 0:
+            print(f"world={world} {stage} offload cpu (params {params}, gpu_step_ratio {ratio}, reduce {reduce}, "
+                  f"host grads {eng.partitioner.master_grad_flat.dtype}): max rel loss diff {rel:.2e} "
+                  f"(tol {TOL['bf16']:.0e}) {'OK' if ok else 'MISS'}", flush=True)
+        eng.close()
     dist.destroy_process_group()
     if rank == 0:
         print("ALL OK" if not bad else f"{bad} MISSES")
