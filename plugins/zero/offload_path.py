@@ -3,10 +3,14 @@ training device (``[offload.optimizer] plugin = "cpu"``).
 
 Timeline of one step on a GPU::
 
-    backward  |== grads of unit k reduced ==>| norm^2 (GPU) | D2H (side stream) into pinned fp32 |
+    backward  |== grads of unit k reduced ==>| norm^2 (GPU) | D2H (side stream) into pinned bf16 or fp32 |
     step      wait D2H | CPU steps sub-group 0 | sub-group 1 | ... |
     publish              | H2D sub-group 0 (side stream) + cast into bf16 shards | 1 | ...
     next forward waits (GPU-side only) for the last H2D
+    GPU lane  a share of the sub-groups streamed through torch's fused AdamW (gpu_lane.py),
+              queued before the CPU starts, so both lanes step at once
+
+The gradient shard is in the model dtype where that is exact (partitioner._host_grad_dtype).
 
 Note: the global gradient norm (clipping) and the overflow flag need every gradient,
 so the CPU step starts after backward: the "safe overlap" of issue D. Stepping
