@@ -70,6 +70,8 @@ class GPULane:
         self._step = torch.zeros((), dtype=torch.float32, device=self.device)
         self._scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.elements = 0                           # a statistic: elements stepped here so far
+        self.timing = False                         # record the GPU span of each step (benchmarks)
+        self._span: list = [None, None]             # (start, end) CUDA events of the current step
 
     def gpu_bytes(self) -> int:
         """GPU memory the lane's chunk buffers take (master, grad, m, v in fp32 + lp)."""
@@ -118,6 +120,9 @@ class GPULane:
         on_gpu = self.cuda and self.path.lp_on_device(a, a + n)
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))   # the gradients' D2H
+            if self.timing and self._span[0] is None:
+                self._span[0] = torch.cuda.Event(enable_timing=True)
+                self._span[0].record(self.h2d)
             with torch.cuda.stream(self.d2h):      # stream-ordered scalars: no host sync
                 self._step.fill_(float(st["step"]))
                 self._scale.fill_(1.0 / mult)
@@ -150,6 +155,18 @@ class GPULane:
                 self._free[j] = self.d2h.record_event()
         if self.cuda:
             self.events[k] = self._free[(self._next - 1) % self.nbuf]
+            if self.timing:
+                self._span[1] = torch.cuda.Event(enable_timing=True)
+                self._span[1].record(self.d2h)
+
+    def span_seconds(self) -> float | None:
+        """GPU time from the step's first H2D to its last D2H (``timing`` on); waits for it."""
+        start, end = self._span
+        self._span = [None, None]
+        if start is None or end is None:
+            return None
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
 
     def _chunk(self, bufs, host, x, y, a, kernel, hp, scale, on_gpu) -> None:
         bp, bg, bm, bv, blp, _ = bufs
