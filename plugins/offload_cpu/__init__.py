@@ -35,7 +35,7 @@ class CPUOptions:
         "auto", "Share of the offloaded optimizer step (in elements) that the GPU computes while the CPU "
                 "steps the rest: those sub-groups' states stay in host memory and are streamed H2D, stepped "
                 "by torch's fused AdamW and streamed back. 0 = cpu_adam steps everything; \"auto\" = "
-                f"{AUTO_GPU_STEP_RATIO} for stage 3 with per-module gathering on a GPU (where the step overlaps the "
+                f"{AUTO_GPU_STEP_RATIO} for stage 3 with per-module gathering on a GPU (where the step can overlap the "
                 "next forward), else 0 (measured: it pays there, not beside the serial stage-2 step). Needs "
                 "cpu_adam and pin_memory.",
         min=0.0, max=1.0)
