@@ -89,27 +89,22 @@ class CPUOffload(OffloadDevice):
 
     def empty(self, numel, dtype):
         t = torch.empty(numel, dtype=dtype, device="cpu")
-        if self.options.pin_memory and torch.cuda.is_available() and numel:
-            # Note: torch's caching pinned allocator rounds every block up to a power of two
-            # (a 5.7 GB master becomes 8 GB); page-locking our own exact-size buffer costs
-            # only what it holds.
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(err) != 0:
-                raise HostMemoryError(f"offload.{self.kind} = \"cpu\": pinning {t.numel() * t.element_size() / GB:.2f} "
-                                      f"GiB failed (CUDA error {int(err)}); set pin_memory = false or free memory")
-            self._registered.append(t)
+        # Note: torch's caching pinned allocator rounds every block up to a power of two
+        # (a 5.7 GB master becomes 8 GB); page-locking our own exact-size buffer costs
+        # only what it holds.
+        self.pin(t)
         return t
 
     def pin(self, t: torch.Tensor) -> None:
-        """Page-lock an existing host tensor's storage (no-op when pinned or pinning is off)."""
-        if not (self.options.pin_memory and torch.cuda.is_available()) or t.is_pinned() or not t.numel():
+        """Page-lock a host tensor's storage (no-op when pinned already or pinning is off)."""
+        if not (self.options.pin_memory and torch.cuda.is_available()) or not t.numel() or t.is_pinned():
             return
         base = t.untyped_storage()
         err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.nbytes(), 0)
         if int(err) != 0:
             raise HostMemoryError(f"offload.{self.kind} = \"cpu\": pinning {base.nbytes() / GB:.2f} GiB failed "
                                   f"(CUDA error {int(err)}); set pin_memory = false or free memory")
-        self._registered.append(torch.empty(0).set_(base))
+        self._registered.append(torch.empty(0, dtype=torch.uint8).set_(base))
 
     def close(self):
         while self._registered:

@@ -32,6 +32,8 @@ model-dtype pieces, checkpoints).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 
@@ -123,10 +125,7 @@ class GPULane:
             if self.timing and self._span[0] is None:
                 self._span[0] = torch.cuda.Event(enable_timing=True)
                 self._span[0].record(self.h2d)
-            with torch.cuda.stream(self.d2h):      # stream-ordered scalars: no host sync
-                self._step.fill_(float(st["step"]))
-                self._scale.fill_(1.0 / mult)
-        else:
+        with torch.cuda.stream(self.d2h) if self.cuda else nullcontext():   # stream-ordered: no host sync
             self._step.fill_(float(st["step"]))
             self._scale.fill_(1.0 / mult)
         scale = None if mult == 1.0 else self._scale

@@ -171,7 +171,7 @@ class OffloadPath:
         if self.part.swap is None and not self._lane_decided:
             self._lane_decided = True
             self._make_lane(optimizer, ranges, fused)
-        lane = self.lane_groups if fused and self.part.swap is None else set()
+        lane = self.lane_groups      # empty unless a lane was made (fused, no swap)
         for k in sorted(lane):      # queued first: the GPU works while the CPU steps the rest
             self.lane.enqueue(optimizer, k, masters[k], ranges[k][0], mult)
         cpu_groups = [k for k in range(len(ranges)) if k not in lane]

@@ -52,7 +52,6 @@ def timed(fn, t: dict, key: str):
         torch.cuda.synchronize()
         t[key] = t.get(key, 0.0) + time.perf_counter() - t0
         return r
-    g.__wrapped__ = fn
     return g
 
 
@@ -71,8 +70,12 @@ def phases(engine, x, y) -> dict:
         return {}
     t: dict = {}
     part = engine.partitioner
+    lane = getattr(part.offload, "lane", None) if getattr(part, "offload", None) is not None else None
+    # Note: with the GPU lane, a sync after engine.step() would wait for the lane, which
+    # training never does: the step is timed on the host and the lane by its CUDA events.
+    step_timer = timed if lane is None else host_timed
     part.finish_gradients = timed(part.finish_gradients, t, "wait_d2h_and_reductions")
-    part.step_optimizer = timed(part.step_optimizer, t, "optimizer_step_and_h2d")
+    part.step_optimizer = step_timer(part.step_optimizer, t, "optimizer_step_and_h2d")
     opt = engine.optimizer
     if hasattr(opt, "step_param"):       # the CPU kernels alone (no sync: they run on the host)
         opt.step_param = host_timed(opt.step_param, t, "cpu_adam_kernels")
@@ -80,15 +83,11 @@ def phases(engine, x, y) -> dict:
     if swap is not None:                 # time blocked on NVMe reads / writes
         swap.finish_in = host_timed(swap.finish_in, t, "nvme_wait_read")
         swap.finish_out = host_timed(swap.finish_out, t, "nvme_wait_write")
-    lane = getattr(part.offload, "lane", None) if getattr(part, "offload", None) is not None else None
     if lane is not None:
-        # Note: a sync after engine.step() would wait for the GPU lane, which training never
-        # does; the step call is timed on the host and the lane by its own CUDA events.
-        part.step_optimizer = host_timed(part.step_optimizer.__wrapped__, t, "optimizer_step_and_h2d")
         lane.timing = True
     loss = timed(engine, t, "forward")(x, y)
     timed(engine.backward, t, "backward_incl_overlapped_d2h")(loss)
-    (timed if lane is None else host_timed)(engine.step, t, "step_total")()
+    step_timer(engine.step, t, "step_total")()
     t["gpu_idle_estimate"] = t["step_total"] - 0.0   # no GPU compute runs inside engine.step
     out = {k: round(v, 4) for k, v in t.items()}     # kernels: the previous step's, as without the lane
     if lane is not None:
