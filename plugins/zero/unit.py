@@ -44,11 +44,15 @@ class Unit:
         self.shard = shard if shard is not None else full[self.lo:self.hi]
         self.master: torch.Tensor | None = None
         self.grad_flat: torch.Tensor | None = None     # stages 0-1: persistent, params' .grad are views
+        self.grad_views: list[torch.Tensor] = []       # ... each parameter's view of it
+        self.group = 0                                 # the parameter group (param_groups.py)
         self.bucket: torch.Tensor | None = None        # stages 2-3: transient, filled by the hooks
         self.pending = len(self.trainable)
         self.reduce_handle = None
         self.reduce_out: torch.Tensor | None = None
         self.reduced = False
+        self.ready = False              # gradients complete, reduction waiting for its turn
+        self.window_fresh = True        # not reduced yet in this accumulation window
         # stage 3 gathering
         self.state = READY
         self.gather_handle = None
