@@ -292,9 +292,9 @@ class FlatPartitioner(Partitioner):
             o, n = u.layout.offsets[i], u.layout.numels[i]
             if u.bucket is None:
                 u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
-                u.bucket[o:o + n].view_as(p).copy_(p.grad)
+                u.bucket[o:o + n].view(u.layout.shapes[i]).copy_(p.grad)
             else:       # grads of an earlier micro-step that were not reduced yet
-                u.bucket[o:o + n].view_as(p).add_(p.grad)
+                u.bucket[o:o + n].view(u.layout.shapes[i]).add_(p.grad)
             p.grad = None
         elif p.grad is not u.grad_views[i]:
             # Note: the user's model.zero_grad() (set_to_none) replaced the view of the
@@ -469,7 +469,7 @@ class FlatPartitioner(Partitioner):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         self.wait_optimizer()
-        out = {"lp_params": [u.full for u in self.units] + [u.shard for u in self.units if u.sharded_params],
+        out = {"lp_params": [u.full for u in self.all_units] + [u.shard for u in self.all_units if u.sharded_params],
                "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
                "hp_params": [] if self.alias else list(self._master_list),
                "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads

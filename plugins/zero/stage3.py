@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplug.errors import StateError
-from zeroplug.flat import FlatLayout, free_storage
+from zeroplug.flat import FlatLayout
 
 from .partitioned_init import PartitionedInit, flush_pending, materialize
 from .partitioner import Stage2, _check_materialized, hidden_size
@@ -151,8 +151,10 @@ class Stage3(Stage2):
                 unit.start_gather(self.comm, self.upload)
                 unit.wait_gather()
         elif not unit.persistent:
-            free_storage(full)
-            unit.state = FREE
+            unit.mark_free()
+        if not unit.persistent:
+            for p in params:
+                p._zp_fetch = lambda u=unit: self._fetch(u)     # a read outside a module's forward
         return unit
 
     # -- forward / backward hooks -----------------------------------------------------
@@ -243,11 +245,18 @@ class Stage3(Stage2):
 
     def _end_forward(self, module, args, output) -> None:
         """The root module's forward returned: with no backward to follow (no_grad, eval),
-        nothing that was kept for reuse or prefetched may outlive it."""
+        nothing that was kept for reuse or prefetched may outlive it. An output that is
+        not made of tensors (an object of the model's own) may still lead to a backward."""
         if _in_backward():
             return
-        if not any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(output)[0]):
-            self.release_all()
+        if torch.is_grad_enabled():
+            leaves = tree_flatten(output)[0]
+            if any(torch.is_tensor(t) and t.requires_grad for t in leaves):
+                return
+            if any(not torch.is_tensor(t) and not isinstance(t, (int, float, bool, str, type(None)))
+                   for t in leaves):
+                return
+        self.release_all()
 
     def _reused_soon(self, u: Unit, backward_follows: bool = False) -> bool:
         """Whether ``u`` runs again within stage3_max_reuse_distance elements of execution,
