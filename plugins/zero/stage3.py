@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplug.errors import StateError
-from zeroplug.flat import FlatLayout
+from zeroplug.flat import FlatLayout, free_storage
 
 from .partitioned_init import PartitionedInit, flush_pending, materialize
 from .partitioner import Stage2, _check_materialized, hidden_size
@@ -232,15 +232,28 @@ class Stage3(Stage2):
 
     def _post_forward(self, module, args, output):
         units = self.units_of_module[module]
-        backward_follows = torch.is_grad_enabled() and any(p.requires_grad for u in units for p in u.params)
-        if backward_follows:
-            for t in tree_flatten(output)[0]:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(lambda grad, m=module: self._pre_backward(m))
+        # Note: a backward passes through this module when its output requires grad, also
+        # when its own parameters are frozen (the input's gradient needs the weight).
+        outs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        backward_follows = torch.is_grad_enabled() and bool(outs)
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
+        if backward_follows:
+            for t in outs:
+                t.register_hook(lambda grad, m=module: self._pre_backward(m))
+            if any(not u.trainable for u in units):
+                # frozen units are released once the gradient of the module's input exists
+                # (trainable ones once their gradients are reduced)
+                for t in tree_flatten(args)[0]:
+                    if torch.is_tensor(t) and t.requires_grad:
+                        t.register_hook(lambda grad, m=module: self._post_backward_frozen(m))
         for u in units:
             if not self._reused_soon(u, backward_follows):
+                self._release(u)
+
+    def _post_backward_frozen(self, module) -> None:
+        for u in self.units_of_module[module]:
+            if not u.trainable:
                 self._release(u)
 
     def _end_forward(self, module, args, output) -> None:
