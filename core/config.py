@@ -280,10 +280,25 @@ def _report_deepspeed(cfg: Config, translation) -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    from .convert import final_value
     log = logging.getLogger("zeroplug")
     for note in translation.notes:
         log.warning("[zeroplug] DeepSpeed config: %s", note)
     for ds_key, target, source in translation.autos:
         log.warning("[zeroplug] DeepSpeed config: %s = \"auto\" -> %s = %s (%s)", ds_key, target,
-                    final_value(cfg, target), source)
+                    _final_value(cfg, target), source)
+
+
+def _final_value(cfg: Config, target: str):
+    """The value a resolved Config ended up with for a zeroplug key (for the "auto" report)."""
+    table, _, name = target.rpartition(".")
+    if table == "batch":
+        return getattr(cfg.batch, name)
+    if name == "plugin":
+        return cfg.slot(table).name
+    choice = cfg.slots.get(table)
+    value = getattr(choice.options, name, None) if choice else None
+    if value == "auto" and target.startswith("zero."):
+        return "auto; the ZeRO stage sets it at setup"
+    if value == "auto" and target == "scheduler.warmup_max_lr":
+        return _final_value(cfg, "optimizer.lr")
+    return value

@@ -79,9 +79,7 @@ def rule_for(path: str) -> Rule | None:
 
 
 def _same_value(a, b) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    return a == b
+    return a is b if isinstance(a, bool) or isinstance(b, bool) else a == b
 
 
 def _on(value) -> bool:
@@ -201,11 +199,9 @@ class _Translator:
                 self.key(f"{section}.{k}", v, strict=_generic(section) in STRICT_SECTIONS)
 
     def table(self, path: str, value) -> dict:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise ConfigError(f"DeepSpeed key {path} must be a table ({{...}}), got {_show(value)}", key=path)
-        return value
+        return value or {}
 
     # -- sections ----------------------------------------------------------------------
     def run(self, ds: dict) -> DeepSpeedRaw:
@@ -258,8 +254,7 @@ class _Translator:
                                       f"this too): keep {new}", key=f"{path}.{old}")
                 z[new] = {"device": "cpu"}
         pin = z.get("cpu_offload_use_pin_memory")
-        opt, par = self.table(f"{path}.offload_optimizer", z.get("offload_optimizer")), \
-            self.table(f"{path}.offload_param", z.get("offload_param"))
+        opt, par = (self.table(f"{path}.{k}", z.get(k)) for k in ("offload_optimizer", "offload_param"))
         if pin is not None:
             opt, par = ({"pin_memory": pin, **t} if t else t for t in (opt, par))
         dev_opt, dev_par = self.device(f"{path}.offload_optimizer", opt), self.device(f"{path}.offload_param", par)
@@ -455,22 +450,6 @@ def check_batch(raw: DeepSpeedRaw, world: int) -> None:
             raise ConfigError(f"DeepSpeed key train_batch_size = {t} is not a multiple of {name} ({given}) x world "
                               f"size ({world}) = {given * world}, so the other batch size cannot be derived; set "
                               f"train_batch_size to a multiple of {given * world}", key="train_batch_size")
-
-
-def final_value(cfg, target: str):
-    """The value a resolved Config ended up with for a zeroplug key (for the "auto" report)."""
-    table, _, name = target.rpartition(".")
-    if table == "batch":
-        return getattr(cfg.batch, name)
-    if name == "plugin":
-        return cfg.slot(table).name
-    choice = cfg.slots.get(table)
-    value = getattr(choice.options, name, None) if choice else None
-    if value == "auto" and target in _HIDDEN_FORMULAS:
-        return "auto (the ZeRO stage sets it from the model at setup)"
-    if value == "auto" and target == "scheduler.warmup_max_lr":
-        return final_value(cfg, "optimizer.lr")
-    return value
 
 
 def _toml_value(v) -> str:
