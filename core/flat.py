@@ -108,3 +108,19 @@ def storage_bytes(tensors) -> int:
         seen.add(key)
         total += s.size()
     return total
+
+
+def set_grad(t: torch.Tensor, g: torch.Tensor) -> None:
+    """``t.grad = g``, also where g's dtype differs (an fp32 master, a bf16 gradient shard)."""
+    if g.dtype != t.dtype and hasattr(t, "grad_dtype"):
+        t.grad_dtype = None     # Note: torch >= 2.10 checks .grad's dtype unless told not to
+    t.grad = g
+
+
+def mixed_grad_ok() -> bool:
+    """Whether this torch lets an fp32 tensor hold a gradient of another dtype."""
+    try:
+        set_grad(torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16))
+        return True
+    except RuntimeError:
+        return False

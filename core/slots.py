@@ -13,6 +13,9 @@ from typing import Any, Iterable
 import torch
 
 from .comm import Comm
+# the offload tier's slot: the stage <-> tier contract (documented there)
+from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, TierCapabilities,  # noqa: F401
+                    UnitShard, step_group)
 
 
 @dataclass
@@ -67,36 +70,6 @@ class Precision:
         pass
 
 
-class OffloadDevice:
-    """Where a kind of state ("optimizer" or "param") lives between uses."""
-    @dataclass(frozen=True)
-    class Options:
-        pass
-
-    def __init__(self, options, run: RunContext, kind: str):
-        self.options, self.run, self.kind = options, run, kind
-
-    @property
-    def device(self) -> torch.device:
-        return self.run.device
-
-    @property
-    def offloaded(self) -> bool:
-        """True when states live apart from the model's parameters (masters are then never
-        aliased to them, even on a CPU-only run)."""
-        return self.device != self.run.device
-
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.device)
-
-    def plan(self, nbytes: int, what: str) -> None:
-        """Called before the partitioner allocates ``nbytes`` in this tier (``what`` says
-        for what); a tier that cannot hold them raises a clear error now."""
-
-    def close(self) -> None:
-        """Release files and buffers (called at exit and on errors)."""
-
-
 class OptimizerFactory:
     """Builds the ``torch.optim.Optimizer`` over one rank's master tensors."""
     @dataclass(frozen=True)
@@ -111,7 +84,16 @@ class OptimizerFactory:
         return self.options.lr
 
     def build(self, params: list[torch.Tensor], device: torch.device) -> torch.optim.Optimizer:
+        """The optimizer over ``params`` (tensors or param-group dicts). With offloaded states
+        there is one param group per sub-group, stepped one at a time through
+        :func:`zeroplug.tiers.step_group`; an optimizer may declare ``step_group`` for it."""
         raise NotImplementedError
+
+    @classmethod
+    def grad_dtypes(cls, options, run: RunContext, state_device: torch.device) -> tuple[torch.dtype, ...]:
+        """Gradient dtypes the built optimizer reads for fp32 masters on ``state_device``
+        (a tier may hold gradients in the model dtype only if it is one of them)."""
+        return (torch.float32,)
 
 
 class Scheduler:

@@ -52,13 +52,13 @@ def main() -> int:
                "monitor": {"plugin": "none"}}
         losses, eng = engine_losses(ToyNet, steps, batch, cfg, rank, world, use_init=stage == "stage3",
                                     device="cuda")
-        off = eng.partitioner.offload
+        off = eng.offload_optimizer
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
         ok = rel <= TOL["bf16"] and off.lane is not None and off.lane.elements > 0
         bad += not ok
         if rank == 0:
             print(f"world={world} {stage} offload cpu (params {params}, gpu_step_ratio {ratio}, reduce {reduce}, "
-                  f"host grads {eng.partitioner.master_grad_flat.dtype}): max rel loss diff {rel:.2e} "
+                  f"host grads {eng.partitioner.master_params()[0].grad.dtype}): max rel loss diff {rel:.2e} "
                   f"(tol {TOL['bf16']:.0e}) {'OK' if ok else 'MISS'}", flush=True)
         eng.close()
     dist.destroy_process_group()

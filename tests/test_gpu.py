@@ -97,9 +97,9 @@ def test_offload_on_gpu_matches_in_memory_and_overlap_is_exact(prec, params):
     ref, _ = engine_losses(lambda: ToyNet(d=64, hidden=200), 12, 8, cfg(False), device="cuda")
     serial, e0 = engine_losses(lambda: ToyNet(d=64, hidden=200), 12, 8, cfg(True, False), device="cuda")
     over, e1 = engine_losses(lambda: ToyNet(d=64, hidden=200), 12, 8, cfg(True, True), device="cuda")
-    assert e0.partitioner.offload.overlapped_steps == 0
+    assert e0.offload_optimizer.overlapped_steps == 0
     if params == "cpu":      # world 1 with parameters on the GPU has no stage-3 hooks: serial
-        assert e1.partitioner.offload.overlapped_steps == 12
+        assert e1.offload_optimizer.overlapped_steps == 12
     assert serial == over
     e1.partitioner.wait_optimizer()          # the last step may still be running
     for a, b in zip(e0.partitioner.master_params(), e1.partitioner.master_params()):
@@ -132,8 +132,8 @@ def test_gpu_lane_steps_on_the_gpu_and_resumes_exactly(params, tmp_path):
     base, e0 = engine_losses(net, 12, 8, cfg(0.0), device="cuda")
     lane, e1 = engine_losses(net, 12, 8, cfg(0.5), device="cuda")
     e1.partitioner.wait_optimizer()
-    off = e1.partitioner.offload
-    assert e0.partitioner.offload.lane is None and off.lane is not None
+    off = e1.offload_optimizer
+    assert e0.offload_optimizer.lane is None and off.lane is not None
     assert off.lane.elements > 0 and off.lane.chunk <= 2048
     for k in off.lane_groups:
         st = e1.optimizer.state[e1.partitioner.master_params()[k]]
@@ -161,7 +161,7 @@ def test_gpu_lane_steps_on_the_gpu_and_resumes_exactly(params, tmp_path):
     eng = zeroplug.initialize(net(), cfg(0.5), device="cuda")
     eng.load_checkpoint(str(tmp_path))
     train(eng, data[3:])
-    for k in eng.partitioner.offload.lane_groups:
+    for k in eng.offload_optimizer.lane_groups:
         assert eng.optimizer.state[eng.partitioner.master_params()[k]]["exp_avg"].is_pinned()
     for a, b in zip(straight, eng.partitioner.master_params()):
         assert torch.equal(a, b)

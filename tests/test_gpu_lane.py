@@ -1,4 +1,4 @@
-"""The GPU lane of the offloaded step (``gpu_step_ratio``, plugins/zero/gpu_lane.py).
+"""The GPU lane of the offloaded step (``gpu_step_ratio``, plugins/offload_cpu/gpu_lane.py).
 
 On CPU the lane runs with synchronous copies and torch's CPU fused AdamW: these tests
 check its bookkeeping (which sub-groups, step counts, chunks, model-dtype pieces,
@@ -11,7 +11,7 @@ import torch
 import zeroplug
 from distributed import run_ranks
 from toy import ToyNet, batches, engine_losses
-from zeroplug.plugins.zero.gpu_lane import assign
+from zeroplug.plugins.offload_cpu.gpu_lane import assign
 
 STEPS = 6
 
@@ -46,7 +46,7 @@ def _run(rank, world):
             for ratio in (0.0, 0.5):
                 losses, eng = engine_losses(ToyNet, STEPS, 8, _cfg(stage, prec, ratio, world), rank, world)
                 eng.partitioner.wait_optimizer()      # the last overlapped step has finished
-                off = eng.partitioner.offload
+                off = eng.offload_optimizer
                 out[(stage, prec, ratio)] = (losses, [t.detach().clone() for t in eng.partitioner.master_params()],
                                              sorted(off.lane_groups), off.lane.elements if off.lane else 0)
                 eng.close()
@@ -129,12 +129,12 @@ def test_lane_needs_cpu_adam(caplog):
     cfg["optimizer"]["plugin"] = "adamw"
     with caplog.at_level(logging.WARNING, logger="zeroplug"):
         losses, eng = engine_losses(ToyNet, 2, 8, cfg)
-    assert eng.partitioner.offload.lane is None
+    assert eng.offload_optimizer.lane is None
     assert "gpu_step_ratio = 0.5 ignored: it needs optimizer cpu_adam" in caplog.text
     eng.close()
 
 
 def test_auto_is_off_on_cpu():
     losses, eng = engine_losses(ToyNet, 2, 8, _cfg("stage2", "fp32", "auto", 1))
-    assert eng.partitioner.offload.lane is None
+    assert eng.offload_optimizer.lane is None
     eng.close()

@@ -36,10 +36,10 @@ def _run(rank, world):
             eng.partitioner.wait_optimizer()
             out[(stage, prec, reduce, ratio, gd)] = (
                 losses, [t.detach().clone() for t in eng.partitioner.master_params()],
-                eng.partitioner.master_grad_flat.dtype)
+                eng.partitioner.master_params()[0].grad.dtype)
             eng.close()
     losses, eng = engine_losses(ToyNet, 2, 8, _cfg("stage2", "bf16", "auto", world, gas=2), rank, world)
-    out["gas"] = eng.partitioner.master_grad_flat.dtype
+    out["gas"] = eng.partitioner.master_params()[0].grad.dtype
     eng.close()
     return out
 

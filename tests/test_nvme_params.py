@@ -28,7 +28,7 @@ def _job(rank, world, swap):
     out = {}
     for opt_tier in ("cpu", "nvme"):
         losses, eng = engine_losses(ToyNet, 8, 8, _cfg(world, swap, "nvme", opt_tier), rank, world)
-        ps = eng.partitioner.pswap
+        ps = eng.offload_param.pswap
         kept = [u for u in eng.partitioner.units if not u.persistent and u.index not in ps.on_nvme]
         on_nvme_freed = all(eng.partitioner.units[i].shard.untyped_storage().size() == 0 for i in ps.on_nvme)
         sd, sd0 = eng.consolidated_state_dict(), e0.consolidated_state_dict()
@@ -74,7 +74,7 @@ def test_checkpoint_with_params_on_nvme(tmp_path, saved_by, opt_tier):
     path = e.save_checkpoint(ck)
     whole = e.consolidated_state_dict()
     if saved_by == "nvme":      # the shards are out again after the save
-        ps = e.partitioner.pswap
+        ps = e.offload_param.pswap
         assert ps.on_nvme and ps.resident == set()
         assert all(e.partitioner.units[i].shard.untyped_storage().size() == 0 for i in ps.on_nvme)
     e.close()
@@ -86,7 +86,7 @@ def test_checkpoint_with_params_on_nvme(tmp_path, saved_by, opt_tier):
         e2 = build(tier)
         e2.load_checkpoint(ck)
         if tier == "nvme":
-            assert e2.partitioner.pswap.resident == set()
+            assert e2.offload_param.pswap.resident == set()
         rest = batches(6, 8)
         for _ in range(3):
             next(rest)
@@ -140,7 +140,7 @@ def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
     torch.manual_seed(0)
     e = zeroplug.initialize(Wide(W, LAYERS), cfg)
     part = e.partitioner
-    assert len(part.pswap.on_nvme) == LAYERS
+    assert len(e.offload_param.pswap.on_nvme) == LAYERS
     unit_bytes = UNIT * part.units[0].shard.element_size()
     wide_steps(e, W, 1, 2)
     path, save = peak_bytes(lambda: e.save_checkpoint(tmp_path / "ck"))

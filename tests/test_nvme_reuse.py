@@ -1,4 +1,4 @@
-"""The nvme tier's ``reuse_resident`` (plugins/zero/swap.py): the sub-group order alternates
+"""The nvme tier's ``reuse_resident`` (plugins/offload_nvme/swap.py): the sub-group order alternates
 each step and the last R = max(1, pipeline_read + pipeline_write) stepped sub-groups stay
 in host memory, unwritten, for the next step. Values equal reuse off and the in-memory
 tier bit for bit; the swapper moves exactly R sub-groups' bytes less each way per step;
@@ -43,7 +43,8 @@ def _states(engine) -> list[torch.Tensor]:
     """Every master and element-wise optimizer state, copied (all_resident: brings the
     swapped ones in and frees them again, leaves the resident ones as they are)."""
     part = engine.partitioner
-    with part.swap.all_resident(engine.optimizer) if part.swap is not None else nullcontext():
+    swap = getattr(engine.offload_optimizer, "swap", None)     # the nvme tier's
+    with swap.all_resident(engine.optimizer) if swap is not None else nullcontext():
         out = []
         for t in part.master_params():
             out.append(t.detach().clone())
@@ -66,7 +67,7 @@ def test_reuse_is_bit_exact(tmp_path, prec, optimizer):
     for pipes in PIPES:
         for reuse in (False, True):
             e = _build(_cfg("nvme", tmp_path, reuse, pipes, prec, optimizer))
-            swap = e.partitioner.swap
+            swap = e.offload_optimizer.swap
             n, keep = len(swap.masters), swap.kept()
             assert n >= 4 and keep == (max(1, sum(pipes)) if reuse else 0)
             data = batches(STEPS, 8)
@@ -100,7 +101,7 @@ def test_reuse_moves_fewer_bytes_exactly(tmp_path):
     per_step = {}
     for reuse in (False, True):
         e = _build(_cfg("nvme", tmp_path, reuse))
-        swap, sw = e.partitioner.swap, e.partitioner.swap.swapper
+        swap, sw = e.offload_optimizer.swap, e.offload_optimizer.swap.swapper
         data, rows = batches(STEPS, 8), []
         for _ in range(STEPS):
             r0, w0 = sw.bytes_read, sw.bytes_written
@@ -132,7 +133,7 @@ def test_reuse_peak_resident_within_pipeline(tmp_path, pipes):
     bound = 1 + int(pipes[0]) + int(pipes[1])
     for reuse in (False, True):
         e = _build(_cfg("nvme", tmp_path, reuse, pipes))
-        swap = e.partitioner.swap
+        swap = e.offload_optimizer.swap
         n, keep = len(swap.masters), swap.kept()
         peak, orders, between = [0], [], []
         orig = swap.step
@@ -184,7 +185,7 @@ def test_checkpoint_with_resident_dirty_sub_groups(tmp_path):
 
     e = _build(_cfg("nvme", swap_dir, True, prec="bf16", stage="stage3"))
     first = train_steps(e, batches(8, 8), 3)
-    swap = e.partitioner.swap
+    swap = e.offload_optimizer.swap
     n = len(swap.masters)
     kept = _resident(swap)
     assert kept == [n - 2, n - 1] and all(k not in swap.swapped for k in kept)
@@ -201,10 +202,10 @@ def test_checkpoint_with_resident_dirty_sub_groups(tmp_path):
             e2 = build()
             if trained:     # its own kept sub-groups (0 and 1, after 2 steps) are overwritten in memory
                 train_steps(e2, batches(2, 8, seed=9), 2)
-                assert _resident(e2.partitioner.swap) == [0, 1]
+                assert _resident(e2.offload_optimizer.swap) == [0, 1]
             e2.load_checkpoint(ck)
             if trained:
-                assert _resident(e2.partitioner.swap) == [0, 1]
+                assert _resident(e2.offload_optimizer.swap) == [0, 1]
             losses, sd = rest(e2)
             assert first + losses == full, (name, trained)
             assert all(torch.equal(sd[k], full_sd[k]) for k in full_sd), (name, trained)
@@ -244,7 +245,7 @@ def test_reuse_on_gpu_is_bit_exact(tmp_path, optimizer, stage):
         sd = {k: v.detach().cpu() for k, v in e.consolidated_state_dict().items()}
         runs[name] = (losses, sd, _states(e))
         if name == "on":
-            assert e.partitioner.swap.reused == 2 * (STEPS - 1)
+            assert e.offload_optimizer.swap.reused == 2 * (STEPS - 1)
         e.close()
     for name in ("off", "on"):
         assert runs[name][0] == runs["cpu"][0], name

@@ -33,11 +33,11 @@ def _job(rank, world, path):
                 losses, eng = engine_losses(ToyNet, 8, 8, _cfg(stage, "nvme", world, path, pipelined, prec),
                                             rank, world)
                 part = eng.partitioner
-                assert part.swap is not None and len(part.master_params()) > 1
+                assert eng.offload_optimizer.swap is not None and len(part.master_params()) > 1
                 # between steps every sub-group's master and moments live only in files, but
                 # for the ones the last step kept in memory (reuse_resident, the default)
-                gone = [t for k, t in enumerate(part.master_params()) if k in part.swap.swapped]
-                freed = len(part.master_params()) - len(gone) == part.swap.kept() > 0
+                gone = [t for k, t in enumerate(part.master_params()) if k in eng.offload_optimizer.swap.swapped]
+                freed = len(part.master_params()) - len(gone) == eng.offload_optimizer.swap.kept() > 0
                 freed = freed and all(t.untyped_storage().size() == 0 for t in gone)
                 moments = [v for t in gone for v in eng.optimizer.state[t].values() if v.dim() > 0]
                 freed = freed and moments and all(v.untyped_storage().size() == 0 for v in moments)
@@ -207,7 +207,7 @@ def test_cpu_checkpoint_into_nvme_and_back_exact(tmp_path):
             train_steps(e2, batches(2, 8, seed=9), 2)
         e2.load_checkpoint(ck / "cpu")
         # in files, but for the sub-groups the last step kept in memory (reuse_resident)
-        swp = e2.partitioner.swap
+        swp = e2.offload_optimizer.swap
         assert len(swp.swapped) == len(e2.partitioner.master_params()) - (swp.kept() if trained else 0)
         assert all(t.untyped_storage().size() == 0 for k, t in enumerate(e2.partitioner.master_params())
                    if k in swp.swapped)

@@ -24,7 +24,7 @@ def _run(rank, world):
     for prec in ("fp32", "bf16"):
         for overlap in (False, True):
             losses, eng = engine_losses(ToyNet, STEPS, 8, _cfg(prec, overlap, world), rank, world)
-            off = eng.partitioner.offload
+            off = eng.offload_optimizer
             out[(prec, overlap, "steps")] = off.overlapped_steps
             out[(prec, overlap)] = (losses, eng.consolidated_state_dict(),
                                     [t.detach().clone() for t in eng.partitioner.master_params()])

@@ -1,4 +1,5 @@
-"""Offload tiers "none" (state stays on the training device) and "cpu" (pinned host memory)."""
+"""Offload tiers "none" (states stay on the training device) and "cpu" (pinned host memory,
+the optimizer step on the CPU: :mod:`.host`, and a share of it on the GPU: :mod:`.gpu_lane`)."""
 from __future__ import annotations
 
 import logging
@@ -9,9 +10,12 @@ import torch
 
 from zeroplug import hookimpl
 from zeroplug.errors import HostMemoryError
+from zeroplug.flat import mixed_grad_ok
 from zeroplug.memory import GB, host_available_bytes
 from zeroplug.options import opt
-from zeroplug.slots import OffloadDevice
+from zeroplug.tiers import OffloadTier, reads_grad_dtype
+
+from .host import HostTier
 
 log = logging.getLogger("zeroplug")
 
@@ -19,8 +23,8 @@ log = logging.getLogger("zeroplug")
 AUTO_GPU_STEP_RATIO = 0.4
 
 
-class NoOffload(OffloadDevice):
-    """States live on the training device."""
+class NoOffload(OffloadTier):
+    """States live on the training device, with the model (nothing is offloaded)."""
     @dataclass(frozen=True)
     class Options:
         pass
@@ -57,23 +61,15 @@ class CPUOptions:
                                            "this many GiB; 0 = what the machine has available.", min=0.0)
 
 
-class CPUOffload(OffloadDevice):
-    """States in (pinned) CPU memory; the optimizer steps there (cpu_adam with optimizer.plugin = "auto")."""
+class CPUOffload(HostTier):
+    """States in (pinned) CPU memory; the optimizer steps them there (cpu_adam, or "auto")."""
     Options = CPUOptions
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def offloaded(self) -> bool:
-        return True
 
     def __init__(self, options, run, kind):
         super().__init__(options, run, kind)
         self._registered: list[torch.Tensor] = []      # host buffers we page-locked
 
-    def plan(self, nbytes, what):
+    def check_memory(self, nbytes, what):
         limit = self.options.host_memory_limit_gb * GB or host_available_bytes()
         source = ("offload.%s.host_memory_limit_gb" % self.kind if self.options.host_memory_limit_gb
                   else "available host memory (MemAvailable)")
@@ -86,6 +82,69 @@ class CPUOffload(OffloadDevice):
                 f"offload.{self.kind} = \"cpu\" needs {nbytes / GB:.2f} GiB of {pin}host memory per rank "
                 f"({what}) but {source} is {limit / GB:.2f} GiB. Use more ranks (the shard shrinks "
                 f"with world size), offload to nvme, or raise the limit")
+
+    def grad_dtype(self) -> torch.dtype:
+        """The model's dtype where it holds every reduced gradient exactly (``grad_dtype``),
+        else fp32.
+
+        Note: with one rank (or a reduction in the model dtype) the reduced gradient is the
+        model-dtype gradient itself, so a bf16 shard loses nothing; cpu_adam widens it
+        inside its one pass. That is 2 bytes less per element to copy D2H, to write and to
+        read again: the offloaded step is bound by host memory traffic."""
+        exact = self.layout.exact_grad_dtype
+        if (self.options.grad_dtype != "auto" or exact == torch.float32
+                or not reads_grad_dtype(self.run, exact, self.device) or not mixed_grad_ok()):
+            return torch.float32
+        return exact
+
+    def overlaps(self) -> bool:
+        return self.options.overlap_step and self.layout.gathers_per_unit and self.layout.shards_in_memory
+
+    def overlap_threads(self) -> int:
+        """The step's kernel threads while the training loop runs beside it.
+
+        Note: a kernel with one OpenMP thread per core, next to a busy training-loop thread,
+        runs at the pace of its preempted thread at every barrier. One core is left to the
+        loop (docs/benchmarks.md)."""
+        return self.options.overlap_step_threads or max(1, torch.get_num_threads() - 1)
+
+    def gpu_step_ratio(self) -> float:
+        r = self.options.gpu_step_ratio
+        if r == "auto":
+            # Note: the lane pays beside the overlapped stage-3 step; in the serial stage-2
+            # step the CPU kernel's threads already fill host memory bandwidth
+            # (docs/benchmarks.md). The rule looks at how the stage gathers, not at
+            # overlap_step itself, so that switching overlap_step never changes which lane
+            # steps what (values stay bit-identical between the overlapped and the serial step).
+            return AUTO_GPU_STEP_RATIO if self.cuda and self.layout.gathers_per_unit else 0.0
+        return float(r)
+
+    def make_lane(self, optimizer, ranges, fused: bool) -> None:
+        from .gpu_lane import GPULane, assign
+        ratio = self.gpu_step_ratio()
+        why = None
+        if ratio <= 0:
+            return
+        if not fused or not all(g.get("bias_correction", False) for g in optimizer.param_groups):
+            why = ("it needs optimizer cpu_adam (or auto) with bias_correction = true, and parameters "
+                   "not on nvme")
+        elif self.cuda and not (self.options.pin_memory and all(
+                u.shard.device.type != "cpu" or u.shard.is_pinned() for u in self.layout.units)):
+            why = "it needs pin_memory = true (asynchronous copies)"
+        if why is not None:
+            if self.run.rank == 0:
+                log.warning("[zeroplug] offload.optimizer.gpu_step_ratio = %s ignored: %s", ratio, why)
+            return
+        self.lane_groups = assign([b - a for a, b in ranges], ratio)
+        if not self.lane_groups:
+            return
+        largest = max(ranges[k][1] - ranges[k][0] for k in self.lane_groups)
+        self.lane = GPULane(self, self.options.gpu_step_chunk, largest)
+        if self.run.rank == 0:
+            n = sum(ranges[k][1] - ranges[k][0] for k in self.lane_groups)
+            log.info("[zeroplug] offload.optimizer: the GPU steps %d of %d sub-groups (%.0f%% of %d elements; "
+                     "%.2f GiB of chunk buffers), cpu_adam the rest", len(self.lane_groups), len(ranges),
+                     100.0 * n / max(1, ranges[-1][1]), ranges[-1][1], self.lane.gpu_bytes() / 2**30)
 
     def empty(self, numel, dtype):
         t = torch.empty(numel, dtype=dtype, device="cpu")
@@ -106,11 +165,26 @@ class CPUOffload(OffloadDevice):
                                   f"(CUDA error {int(err)}); set pin_memory = false or free memory")
         self._registered.append(torch.empty(0, dtype=torch.uint8).set_(base))
 
+    def stash(self, key, data, non_blocking=False):
+        if data.device.type == "cpu":
+            return False                       # already in host memory
+        pin = self.options.pin_memory and torch.cuda.is_available()
+        where = torch.empty(data.numel(), dtype=data.dtype, pin_memory=pin)
+        # Note: freeing the source right after an async copy on the same stream is safe: the
+        # caching allocator hands the block out again only to later work on that stream.
+        where.copy_(data, non_blocking=non_blocking and pin)
+        self._stash[key] = where
+        return True
+
+    def unstash(self, key, out, non_blocking=False):
+        where = self._stash.pop(key)
+        out.copy_(where, non_blocking=non_blocking and where.is_pinned())
+
     def close(self):
+        super().close()
         while self._registered:
             t = self._registered.pop()
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-
 
 
 @hookimpl

@@ -76,6 +76,10 @@ class CPUAdam(OptimizerFactory):
     """Our multi-threaded, single-pass Adam/AdamW for fp32 shards in CPU memory."""
     Options = CPUAdamOptions
 
+    @classmethod
+    def grad_dtypes(cls, options, run, state_device):
+        return (torch.float32, torch.bfloat16, torch.float16)    # widened inside its one pass
+
     def build(self, params, device):
         from .cpu_adam import CPUAdam as Impl
         o = self.options
@@ -86,6 +90,12 @@ class CPUAdam(OptimizerFactory):
 class AutoOptimizer(OptimizerFactory):
     """cpu_adam when the optimizer states are offloaded to the CPU, else adamw."""
     Options = CPUAdamOptions
+
+    @classmethod
+    def grad_dtypes(cls, options, run, state_device):
+        if state_device.type == "cpu" and run.device.type != "cpu":
+            return CPUAdam.grad_dtypes(options, run, state_device)
+        return (torch.float32,)
 
     def build(self, params, device):
         o = self.options

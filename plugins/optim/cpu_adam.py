@@ -210,6 +210,18 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError("step_param: no grad given and p.grad is None")
         self._step(p, self._find_group(p), grad, lp_out, float(grad_scale), threads)
 
+    @torch.no_grad()
+    def step_group(self, k: int, lp_out=None, grad_multiplier: float = 1.0, threads: int | None = None) -> None:
+        """Step param group ``k`` alone (an offloaded sub-group: zeroplug's declared
+        per-sub-group call, :func:`zeroplug.tiers.step_group`). ``lp_out`` (with a group of
+        one tensor) and ``threads`` as in :meth:`step_param`; ``grad_multiplier`` is the
+        multiplier :meth:`step_param` calls ``grad_scale``."""
+        params = [p for p in self.param_groups[k]["params"] if p.grad is not None]
+        if lp_out is not None and len(params) != 1:
+            raise ValueError("cpu_adam.step_group: lp_out needs a param group of one tensor")
+        for p in params:
+            self.step_param(p, lp_out=lp_out, grad_scale=grad_multiplier, threads=threads)
+
     def _step(self, p, group, grad, lp_out, grad_scale, threads=None) -> None:
         if p.device.type != "cpu" or p.dtype != torch.float32:
             raise TypeError(f"cpu_adam steps fp32 CPU tensors, got {p.dtype} on {p.device}")

@@ -16,23 +16,21 @@ Ranges are cut where optimizer tensors (sub-groups of ``sub_group_size``) end,
 so each saved range maps onto one master tensor and its states; every saved
 tensor is a zero-copy view of live memory (``piece_view``).
 
-The nvme tier (``part.swap``) keeps each sub-group's master and moments in swap
-files between steps. Saving brings one sub-group in at a time (read-only), writes
-its pieces' masters and optimizer states into a part file of their own
-(``rank_00000.sg00003.pt``; the rank file's pieces name it under "part") and frees
-it again, so a save needs about one sub-group's states of extra host memory, not
-a copy of all of them. A sub-group the last step kept in memory (``reuse_resident``)
-is saved from memory as it is and stays there. Loading into the nvme tier first
-copies what lives in memory (model-dtype shards, scalars, extras) from every rank
-file, then brings one sub-group in at a time, fills its master and states from the
-pieces (in the rank files or their part files) that intersect it, publishes it and
-writes it back (a kept sub-group is filled in memory and written after the next
-step). A checkpoint with or without part files loads into every tier.
+A tier that keeps states out of memory between steps (``capabilities.in_memory`` false:
+e.g. in swap files) is streamed: saving brings one sub-group in at a time
+(``tier.export(k)``, read-only), writes its pieces' masters and optimizer states into a
+part file of their own (``rank_00000.sg00003.pt``; the rank file's pieces name it under
+"part") and lets it go again, so a save needs about one sub-group's states of extra host
+memory, not a copy of all of them. Loading into such a tier first copies what lives in
+memory (model-dtype shards, scalars, extras) from every rank file, then brings one
+sub-group in at a time (``tier.import_(k)``), fills its master and states from the pieces
+(in the rank files or their part files) that intersect it, publishes it and lets the
+tier write it back. A checkpoint with or without part files loads into every tier.
 
-Stage 3 parameter shards on NVMe (``part.pswap``) stream the same way: a piece of a unit
-whose shard is in a swap file keeps its "param" (and its master and states) in the part
-file of its sub-group, written while that sub-group's units are read in (and dropped
-after); loading fills such a shard one unit at a time, publishes and writes it back.
+Stage 3 parameter shards that the param tier keeps out of memory (``absent(u)``) stream
+the same way: a piece of such a unit keeps its "param" (and its master and states) in
+the part file of its sub-group, written while that sub-group's units are fetched (and
+evicted after); loading fills such a shard one unit at a time (``update(u)``).
 """
 from __future__ import annotations
 
@@ -64,12 +62,12 @@ class Segment(NamedTuple):
 
     @property
     def lp(self) -> torch.Tensor:
-        """The model-dtype values (a view of the shard; made on use, since a shard on NVMe
-        has no memory to view while it is out)."""
+        """The model-dtype values (a view of the shard; made on use, since a shard out of
+        memory has no memory to view while it is out)."""
         return self.shard[self.q:self.q + (self.b - self.a)]
 
     def master(self, masters) -> torch.Tensor:
-        """The fp32 values (a view of master ``k``; made on use, since a swapped-out
+        """The fp32 values (a view of master ``k``; made on use, since a moved-out
         master has no memory to view)."""
         return masters[self.k][self.mloc:self.mloc + (self.b - self.a)]
 
@@ -114,7 +112,7 @@ def checkpoint_meta(part) -> dict:
 
 
 def _storage_key(t: torch.Tensor):
-    # the storage object, not its address: swapped-out masters all have none
+    # the storage object, not its address: moved-out masters all have none
     return (t.device, t.untyped_storage()._cdata)
 
 
@@ -174,44 +172,45 @@ def _piece_states(seg: Segment, masters, states, alias: bool) -> dict:
 
 
 def export_state(part, optimizer=None, parts=None) -> dict:
-    """This rank's part of a checkpoint (see the module docstring). With ``part.swap``
-    (the nvme tier) and a ``parts`` writer (:class:`zeroplug.checkpoint.PartWriter`) the
+    """This rank's part of a checkpoint (see the module docstring). With a tier that keeps
+    states out of memory and a ``parts`` writer (:class:`zeroplug.checkpoint.PartWriter`) the
     masters and optimizer states stream into one part file per sub-group; without one
-    the caller must hold every sub-group resident for the call and while it uses the result."""
+    the caller must hold every sub-group in memory for the call and while it uses the result."""
     run = part.run
     owner = run.rank == part.layout_rank        # stage 0: rank 0 writes the (replicated) state
     out = {"meta": checkpoint_meta(part) if run.rank == 0 else None, "pieces": {},
            "optim_scalars": {}, "optim_keys": {}, "optim_groups": [], "extras": {}}
     masters = part.master_params()
     states = optimizer.state if optimizer is not None else {}
-    swap = part.swap if parts is not None else None
-    pswap = getattr(part, "pswap", None) if parts is not None else None
-    on_nvme = pswap.on_nvme if pswap is not None else set()     # units whose shard is in a file
+    tier, ptier = part.offload_optimizer, part.offload_param
+    streamed = parts is not None and part.offload is not None and not tier.capabilities.in_memory
+    # units whose shard lives out of memory between uses
+    away = {u.index for u in part.units if ptier.absent(u.index)} if parts is not None else set()
     if owner:
         by_k: dict[int, list[tuple[Segment, dict]]] = {}
         for seg in segments(part):
             pc = {"start": seg.a, "end": seg.b}
-            if seg.unit not in on_nvme:
+            if seg.unit not in away:
                 pc["param"] = piece_view(seg.lp)
-            if swap is None and seg.unit not in on_nvme:
+            if not streamed and seg.unit not in away:
                 pc.update(_piece_states(seg, masters, states, part.alias))
             else:
                 by_k.setdefault(seg.k, []).append((seg, pc))
             out["pieces"].setdefault(seg.name, []).append(pc)
         for k in sorted(by_k):       # one sub-group in memory at a time, straight into its file
-            units = [part.units[i] for i in sorted({seg.unit for seg, _ in by_k[k]} & on_nvme)]
-            with swap.resident(k, dirty=False, optimizer=optimizer) if swap is not None else nullcontext():
-                for u in units:      # its parameter shards on NVMe too, read-only
-                    pswap.ensure(u)
+            units = sorted({seg.unit for seg, _ in by_k[k]} & away)
+            with tier.export(k, optimizer) if streamed else nullcontext():
+                for i in units:      # its parameter shards out of memory too, read-only
+                    ptier.fetch(i)
                 pieces: dict[str, list] = {}
                 for seg, pc in by_k[k]:
                     pieces.setdefault(seg.name, []).append(
                         {"start": seg.a, "end": seg.b, **_piece_states(seg, masters, states, part.alias),
-                         **({"param": piece_view(seg.lp)} if seg.unit in on_nvme else {})})
+                         **({"param": piece_view(seg.lp)} if seg.unit in away else {})})
                 name = parts.write(f"sg{k:05d}", pieces)
                 del pieces           # the views must not outlive the block (the storages go)
-                for u in units:
-                    pswap.drop(u)
+                for i in units:
+                    ptier.evict(i)
             for _, pc in by_k[k]:
                 pc["part"] = name
         for t in masters:
@@ -257,9 +256,9 @@ def _check_model(saved: dict, mine: dict, where) -> None:
 def import_state(part, states, optimizer=None, load_master: bool = True,
                  load_optimizer_states: bool = True) -> None:
     """Load this rank's part from ``states`` (a :class:`zeroplug.checkpoint.ShardSet`: the
-    rank files' ``model`` parts, one at a time), whatever world size wrote them. With
-    ``part.swap`` (the nvme tier) masters and optimizer states are filled one sub-group
-    at a time (see the module docstring)."""
+    rank files' ``model`` parts, one at a time), whatever world size wrote them. With a
+    tier that keeps states out of memory, masters and optimizer states are filled one
+    sub-group at a time (see the module docstring)."""
     where = repr(str(getattr(states, "path", "")))
     _check_model(states.meta, checkpoint_meta(part), where)
     segs = segments(part)
@@ -267,15 +266,15 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
     for j, s in enumerate(segs):
         by_name.setdefault(s.name, []).append((j, s))
     masters = part.master_params()
-    swap = part.swap
-    pswap = getattr(part, "pswap", None)
-    on_nvme = pswap.on_nvme if pswap is not None else set()
-    lp_later: dict[int, list] = {}      # unit on NVMe -> where its pieces' model-dtype values are
+    ptier = part.offload_param
+    streamed = part.offload is not None and not part.offload_optimizer.capabilities.in_memory
+    away = {u.index for u in part.units if ptier.absent(u.index)}
+    lp_later: dict[int, list] = {}      # unit out of memory -> where its pieces' model-dtype values are
     want_opt = load_optimizer_states and optimizer is not None
     filled = [0] * len(segs)
     new_state: list[dict] = [{} for _ in masters]
     opt_filled: dict[tuple[int, str], int] = {}
-    # swap: per sub-group, where its pieces are: (source, segment, name, start, end, x, y), where
+    # streamed: per sub-group, where its pieces are: (source, segment, name, start, end, x, y), where
     # source is the part file's name or the piece's (rank, index) in its rank file (no tensors
     # kept: the files are mapped again, one at a time, when the sub-group is in memory)
     later: list[list] = [[] for _ in masters]
@@ -327,12 +326,12 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                     dst = slice(d0, d0 + (y - x))
                     ref = pc.get("part")
                     source = (1, rank, i) if "param" in pc or not isinstance(ref, str) else (0, ref, 0)
-                    if seg.unit in on_nvme:     # its shard is in a swap file: filled unit by unit
+                    if seg.unit in away:     # its shard is out of memory: filled unit by unit
                         lp_later.setdefault(seg.unit, []).append((source, seg, name, pc["start"], pc["end"], x, y))
                     else:                # an alias (one tensor): prefer exact fp32 masters when saved
                         seg.lp[dst].copy_(_lp_value(states, name, pc, part.alias and load_master)[src])
                     filled[j] += y - x
-                    if swap is not None:           # the masters are in swap files: later
+                    if streamed:           # the masters are out of memory: later
                         source = (0, ref, 0) if isinstance(ref, str) else (1, rank, i)
                         later[seg.k].append((source, seg, name, pc["start"], pc["end"], x, y))
                     elif not part.alias and load_master or want_opt:
@@ -340,12 +339,12 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
 
     @contextmanager
     def shard_in(u):
-        """``u``'s shard in memory for the block; one on NVMe is filled from the checkpoint
-        first (one unit at a time) and written back to its swap file after."""
-        if u.index not in on_nvme:
+        """``u``'s shard in memory for the block; one out of memory is filled from the
+        checkpoint first (one unit at a time) and written back by its tier after."""
+        if u.index not in away:
             yield
             return
-        with pswap.writing(u):
+        with ptier.update(u.index):
             for (kind, ref, i), seg, name, a, b, x, y in sorted(lp_later.get(u.index, ()), key=lambda e: e[0]):
                 pc = {"start": a, "end": b, "part": ref} if kind == 0 else states.rank_piece(ref, name, i)
                 d0 = x - seg.a
@@ -363,8 +362,8 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
             if filled[j] != s.b - s.a:
                 raise CheckpointError(f"checkpoint {where} holds {filled[j]} of the elements [{s.a}, {s.b}) "
                                       f"of {s.name!r} that this rank needs")
-        if swap is not None:
-            _fill_swapped(part, states, optimizer, later, new_state, fill, keys if want_opt else {},
+        if streamed:
+            _fill_streamed(part, states, optimizer, later, new_state, fill, keys if want_opt else {},
                           load_master, shard_in)
         if want_opt:
             need: dict[int, int] = {}
@@ -377,29 +376,30 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                 if opt_filled.get((k, key), 0) != need[k]:
                     raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
             _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys, groups)
-    if swap is None:
+    if not streamed:
         _publish(part, shard_in, follow=not load_master)    # module only: masters follow the weights
     else:
-        part._gather_after_step()       # published sub-group by sub-group in _fill_swapped
+        part._gather_after_step()       # published sub-group by sub-group in _fill_streamed
     part.zero_grad()
 
 
-def _fill_swapped(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool,
+def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool,
                   shard_in) -> None:
-    """The nvme tier: each sub-group in memory in turn (read, filled, published to the
-    model-dtype shards, written back), so loading holds one sub-group's states at a time."""
-    swap = part.swap
+    """A tier that keeps states out of memory: each sub-group in memory in turn (brought in,
+    filled, published to the model-dtype shards, written back), so loading holds one
+    sub-group's states at a time."""
+    tier = part.offload_optimizer
     masters = part.master_params()
     index = {_storage_key(t): k for k, t in enumerate(masters)}
     units: list[list] = [[] for _ in masters]
     for u in part.units:
         k = index.get(_storage_key(u.master))
         if k is None:
-            raise CheckpointError("a unit's master is not a sub-group of the nvme tier")
+            raise CheckpointError("a unit's master is not a sub-group of the offload tier")
         units[k].append(u)
     part.release_all()
     for k, t in enumerate(masters):
-        with swap.resident(k, dirty=True, optimizer=optimizer):
+        with tier.import_(k, optimizer):
             st = new_state[k]
             for key, dt in keys.items():        # every state the checkpoint has, also for padding
                 st[key] = _state_buffer(optimizer, t, key, getattr(torch, dt))
@@ -415,7 +415,7 @@ def _fill_swapped(part, states, optimizer, later, new_state, fill, keys: dict, l
                     del cur[key]                # a state the checkpoint does not have
                 cur.update(st)
             for u in units[k]:
-                with shard_in(u):               # a shard on NVMe: filled, published, written back
+                with shard_in(u):               # a shard out of memory: filled, published, written back
                     if not load_master:         # module only: masters follow the loaded weights
                         u.master.copy_(u.shard)
                     u.shard.copy_(u.master)
@@ -437,7 +437,7 @@ def _publish(part, shard_in=lambda u: nullcontext(), follow: bool = False) -> No
 
 def _lp_value(states, name: str, pc: dict, prefer_master: bool) -> torch.Tensor:
     """A piece's model-dtype values (or its fp32 master, when preferred and saved): in the
-    rank file's piece or, for a shard that was on NVMe, in the part file it names."""
+    rank file's piece or, for a shard that was out of memory, in the part file it names."""
     val = pc.get("param")
     if val is None or prefer_master:
         full = states.piece_states(name, pc)

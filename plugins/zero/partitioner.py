@@ -18,10 +18,12 @@ from __future__ import annotations
 import torch
 
 from zeroplug.errors import StateError
-from zeroplug.flat import FlatLayout, sub_group_ranges
+from zeroplug.flat import FlatLayout
 from zeroplug.param_groups import ParamGroups
 from zeroplug.slots import Partitioner
+from zeroplug.tiers import all_exported
 
+from .masters import make_masters
 from .options import ZeroOptions
 from .unit import Unit
 
@@ -43,6 +45,8 @@ class FlatPartitioner(Partitioner):
     shard_optimizer = False
     shard_grads = False
     shard_params = False
+    params_offloaded = False
+    param_tier_units: frozenset = frozenset()   # units whose shard the param tier holds (stage 3)
 
     # -- setup ----------------------------------------------------------------------
     def setup(self, module, precision, offload_optimizer, offload_param, groups: ParamGroups | None = None):
@@ -75,16 +79,8 @@ class FlatPartitioner(Partitioner):
         # pair every collective with the same unit's on the other ranks.
         self._reduce_order = self.units[::-1]
         self._next_reduce = 0
-        self._make_masters()
-        self.offload = None
-        self.swap = None
-        if self.offloaded:
-            from .offload_path import OffloadPath
-            self.offload = OffloadPath(self)
-        if getattr(self.offload_optimizer, "swaps_states", False):
-            from .swap import SubGroupSwap
-            self.swap = SubGroupSwap(self, self.offload_optimizer)
-            self.swap.swap_out_all()        # the masters start on NVMe
+        self.offload = None             # the offloaded states (offload.py), when the tier offloads
+        make_masters(self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
 
@@ -128,125 +124,9 @@ class FlatPartitioner(Partitioner):
                 p.grad = g
         return unit
 
-    def _make_masters(self):
-        tier = self.offload_optimizer
-        self.offloaded = tier.offloaded
-        self.alias = self.pdtype == torch.float32 and not self.offloaded
-        if self.alias:
-            for u in self.units:
-                u.master = u.shard
-                u.master.grad = (u.grad_flat[u.lo:u.hi] if not self.shard_grads
-                                 else torch.zeros_like(u.shard))
-            self._master_list = [u.master for u in self.units]
-            self._master_group = [u.group for u in self.units]
-            return
-        total = sum(u.hi - u.lo for u in self.units)
-        if getattr(tier, "swaps_states", False):
-            return self._make_swapped_masters(tier, total)
-        # fp32 master + gradient here, and Adam's two fp32 moments created beside them
-        gdt = self._host_grad_dtype()
-        gb = torch.finfo(gdt).bits // 8
-        tier.plan((12 + gb) * total, f"{total:,} fp32 master elements: master 4 + gradient {gb} + "
-                                     f"optimizer states 8 bytes each")
-        self.master_flat = tier.empty(total, torch.float32)
-        self.master_grad_flat = tier.empty(total, gdt)
-        self.master_grad_flat.zero_()
-        off = 0
-        for u in self.units:
-            n = u.hi - u.lo
-            u.master = self.master_flat[off:off + n]
-            u.master.copy_(u.shard)
-            _set_grad(u.master, self.master_grad_flat[off:off + n])
-            off += n
-        self._master_list = []
-        self.sub_group_ranges = (self._unit_aligned_ranges() if self.offloaded or not self.groups.plain
-                                 else sub_group_ranges(total, self.options.sub_group_size))
-        self._master_group = self._range_groups(self.sub_group_ranges)
-        for a, b in self.sub_group_ranges:
-            t = self.master_flat[a:b]
-            _set_grad(t, self.master_grad_flat[a:b])
-            self._master_list.append(t)
-
-    def _host_grad_dtype(self) -> torch.dtype:
-        """The offloaded gradient shard's dtype: the model's where it holds every reduced
-        gradient exactly (see the cpu tier's grad_dtype), else fp32.
-
-        Note: with one rank (or a reduction in the model dtype) the reduced gradient is the
-        model-dtype gradient itself, so a bf16 shard loses nothing; cpu_adam widens it
-        inside its one pass. That is 2 bytes less per element to copy D2H, to write and to
-        read again: the offloaded step is bound by host memory traffic."""
-        cfg = self.run.config
-        opt = cfg.slot("optimizer").name
-        if (not self.offloaded or getattr(self.offload_optimizer.options, "grad_dtype", "fp32") != "auto"
-                or self.pdtype == torch.float32 or cfg.batch.gradient_accumulation_steps != 1
-                or not (self.comm.world_size == 1 or self.rdtype == self.pdtype)
-                or not (opt == "cpu_adam" or (opt == "auto" and self.device.type != "cpu"))
-                or not _mixed_grad_ok()):
-            return torch.float32
-        return self.pdtype
-
-    def _range_groups(self, ranges) -> list[int]:
-        """The parameter group of each master range (unit-aligned ranges hold one group)."""
-        starts, off = [], 0
-        for u in self.units:
-            starts.append((off, u.group))
-            off += u.hi - u.lo
-        out = []
-        for a, _ in ranges:
-            out.append(next((g for o, g in reversed(starts) if o <= a), 0))
-        return out
-
-    def _unit_groups(self) -> list[list[Unit]]:
-        """Offloaded sub-groups: consecutive whole units up to sub_group_size elements (a
-        larger unit is a sub-group of its own), the same for every tier, so that moving
-        the optimizer between tiers changes no arithmetic; a parameter group never shares
-        a sub-group with another."""
-        groups, cur, n = [], [], 0
-        for u in self.units:
-            size = u.hi - u.lo
-            if cur and (n + size > self.options.sub_group_size or u.group != cur[-1].group):
-                groups.append(cur)
-                cur, n = [], 0
-            cur.append(u)
-            n += size
-        if cur:
-            groups.append(cur)
-        return groups
-
-    def _unit_aligned_ranges(self) -> list[tuple[int, int]]:
-        out, off = [], 0
-        for g in self._unit_groups():
-            size = sum(u.hi - u.lo for u in g)
-            out.append((off, off + size))
-            off += size
-        return out
-
-    def _make_swapped_masters(self, tier, total: int) -> None:
-        """Sub-groups of whole units, each master its own tensor, so each can be swapped
-        out (storage freed) while the others stay; the gradient shard is one flat buffer."""
-        groups = self._unit_groups()
-        largest = max(sum(u.hi - u.lo for u in g) for g in groups)
-        # master, m and v of every element in files; masters staged one sub-group at a time
-        tier.plan_swap(12 * total, largest, element_size=4, num_files=3 * len(groups))
-        self.master_flat = None
-        self.master_grad_flat = tier.empty(total, torch.float32)
-        self.master_grad_flat.zero_()
-        self._master_list, self.sub_group_ranges, off = [], [], 0
-        for g in groups:
-            size = sum(u.hi - u.lo for u in g)
-            t = tier.empty(size, torch.float32)
-            t.grad = self.master_grad_flat[off:off + size]
-            pos = 0
-            for u in g:
-                k = u.hi - u.lo
-                u.master = t[pos:pos + k]
-                u.master.copy_(u.shard)
-                u.master.grad = t.grad[pos:pos + k]
-                pos += k
-            self._master_list.append(t)
-            self.sub_group_ranges.append((off, off + size))
-            off += size
-        self._master_group = [g[0].group for g in groups]
+    def gathers_per_unit(self) -> bool:
+        """Whether units are gathered on use (after waiting for their sub-group's step)."""
+        return False
 
     def master_params(self):
         return self._master_list
@@ -377,7 +257,7 @@ class FlatPartitioner(Partitioner):
                     u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
                 else:
                     if self.offload is not None and u.window_fresh:
-                        u.master.grad.zero_()   # offloaded grads are overwritten, not zeroed each step
+                        self.offload.no_grad(u)   # offloaded grads are overwritten, not zeroed each step
                     continue            # no gradient reached this unit in this window
             self._reduce(u)
         self._drain()
@@ -423,7 +303,7 @@ class FlatPartitioner(Partitioner):
         """Step the masters and publish them as model parameters."""
         self.release_all()
         if self.offload is not None:
-            self.offload.step(optimizer, self.sub_group_ranges)
+            self.offload.step(optimizer)
         else:
             optimizer.step()
             if not self.alias:
@@ -449,11 +329,6 @@ class FlatPartitioner(Partitioner):
         if self.offload is not None:
             self.offload.wait_all()
 
-    def can_overlap_step(self) -> bool:
-        """Whether the offloaded step may still run after step_optimizer returns: only
-        where every later use of a parameter or gradient waits for its own sub-group."""
-        return False
-
     # -- views -------------------------------------------------------------------------
     def gathered_params(self):
         """Context in which every parameter holds its full value (a no-op below stage 3)."""
@@ -473,31 +348,33 @@ class FlatPartitioner(Partitioner):
                "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
                "hp_params": [] if self.alias else list(self._master_list),
                "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads
-                            else [] if self.alias else [self.master_grad_flat])}
+                            else [] if self.alias else [t.grad for t in self._master_list])}
         return out
 
     def checkpoint_state(self, optimizer=None, parts=None) -> dict:
         """This rank's world-size-independent checkpoint part (see checkpointing.py).
 
-        The nvme tier with a ``parts`` writer (what save_checkpoint passes): each sub-group's
-        master and optimizer states are brought in, written to a part file and freed, one
-        sub-group at a time. Without one, every sub-group is brought in and the export is
-        copied (the pieces would otherwise point into storages freed right after)."""
+        A tier that keeps states out of memory between steps, with a ``parts`` writer (what
+        save_checkpoint passes): each sub-group's master and optimizer states are brought in,
+        written to a part file and freed, one sub-group at a time. Without one, every
+        sub-group is brought in and the export is copied (the pieces would otherwise point
+        into storages freed right after)."""
         from zeroplug.checkpoint import active_part_writer
 
         from .checkpointing import export_state
         self.wait_optimizer()
-        if self.swap is None:       # parts: only for parameter shards on NVMe (stage 3)
-            return export_state(self, optimizer, parts=parts)
+        if self.offload is None or self.offload_optimizer.capabilities.in_memory:
+            return export_state(self, optimizer, parts=parts)   # parts: parameter shards out of memory
         if parts is None:
             parts = active_part_writer()      # called through an override that does not pass it on
         if parts is not None:
             return export_state(self, optimizer, parts=parts)
-        with self.swap.all_resident(optimizer):
+        with all_exported(self.offload_optimizer, optimizer):
             return _copy_tensors(export_state(self, optimizer))
 
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
-        """Load from a :class:`zeroplug.checkpoint.ShardSet`; the nvme tier one sub-group at a time."""
+        """Load from a :class:`zeroplug.checkpoint.ShardSet` (a tier that keeps states out of
+        memory: one sub-group at a time)."""
         from .checkpointing import import_state
         self.wait_optimizer()
         return import_state(self, states, optimizer, **flags)
@@ -511,17 +388,19 @@ class FlatPartitioner(Partitioner):
     def check_config(cls, config, choice) -> None:
         import logging
 
+        from zeroplug.config import SLOT_TABLES
         from zeroplug.errors import ConfigError
         # Note: these are rules of the partitioner, whichever tier holds the parameters
         param = config.slot("offload.param").name
-        if param != "none" and not cls.shard_params:
+        nothing = SLOT_TABLES["offload.param"][1]       # the slot's default: nothing offloaded
+        if param != nothing and not cls.shard_params:
             raise ConfigError(f"offload.param.plugin = \"{param}\" needs zero.plugin = \"stage3\" (only stage 3 "
                               "shards parameters); offload the optimizer with [offload.optimizer] instead",
                               key="offload.param.plugin")
-        if param != "none" and config.slot("offload.optimizer").name == "none":
+        if param != nothing and config.slot("offload.optimizer").name == nothing:
             raise ConfigError(f"offload.param.plugin = \"{param}\" needs the optimizer offloaded too: add "
-                              "[offload.optimizer] plugin = \"cpu\" or \"nvme\" (the fp32 masters update the "
-                              "host shards)", key="offload.param.plugin")
+                              f"[offload.optimizer] plugin = \"{param}\" (the fp32 masters update the "
+                              "offloaded shards)", key="offload.param.plugin")
         if cls.stage < 3:
             given = [k for k in config.raw.get("zero", {}) if k.startswith("stage3_")]
             if given:
@@ -534,22 +413,6 @@ def _check_materialized(name: str, p: torch.Tensor) -> None:
         raise StateError(f"parameter {name!r} is on the meta device (it has no values): materialize the "
                          "model before zeroplug.initialize (model.to_empty(device=...) and initialize or "
                          "load the weights), or build it inside zeroplug.init")
-
-
-def _mixed_grad_ok() -> bool:
-    """Whether this torch lets an fp32 tensor hold a gradient of another dtype."""
-    try:
-        _set_grad(torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16))
-        return True
-    except RuntimeError:
-        return False
-
-
-def _set_grad(t: torch.Tensor, g: torch.Tensor) -> None:
-    """``t.grad = g``, also where g's dtype differs (an fp32 master, a bf16 gradient shard)."""
-    if g.dtype != t.dtype and hasattr(t, "grad_dtype"):
-        t.grad_dtype = None     # Note: torch >= 2.10 checks .grad's dtype unless told not to
-    t.grad = g
 
 
 def _copy_tensors(obj):

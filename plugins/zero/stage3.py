@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroplug.errors import StateError
 from zeroplug.flat import FlatLayout, free_storage
+from zeroplug.tiers import Layout, UnitShard
 
 from .partitioned_init import PartitionedInit, flush_pending, materialize
 from .partitioner import Stage2, _check_materialized, hidden_size
@@ -41,7 +42,7 @@ class Stage3(Stage2):
             else o.stage3_param_persistence_threshold
         self.prefetch_size = int(0.9 * h * h) if o.stage3_prefetch_bucket_size == "auto" \
             else o.stage3_prefetch_bucket_size
-        self.params_offloaded = offload_param.offloaded
+        self.params_offloaded = offload_param.capabilities.offloaded
         flush_pending()
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
@@ -51,12 +52,12 @@ class Stage3(Stage2):
         self.trace_cur: list[int] = []
         self._callback_queued = False
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
-        self.pswap = None
         self._stale: set[int] = set()   # persistent units to refill once their sub-group is stepped
-        if getattr(offload_param, "swaps_states", False):
-            from .param_swap import ParamSwap
-            self.pswap = ParamSwap(self, offload_param)
-            self.pswap.place(self.units)
+        if self.params_offloaded:       # the shards the param tier holds between uses
+            held = [u for u in self.units if not u.persistent]
+            self.param_tier_units = frozenset(u.index for u in held)
+            offload_param.plan(Layout(units=tuple(UnitShard(u.index, 0, u.shard) for u in held),
+                                      sub_groups=(), param_dtype=self.pdtype, device=self.device))
         if self.layout_world == 1 and not self.params_offloaded:
             return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
         for m in module.modules():
@@ -166,14 +167,14 @@ class Stage3(Stage2):
     def _start(self, u: Unit) -> None:
         if self.offload is not None:
             self.offload.wait_unit(u)       # an overlapped step has published this unit
-        if self.pswap is not None:
-            self.pswap.ensure(u)
+        if self.params_offloaded:
+            self.offload_param.fetch(u.index)
         u.start_gather(self.comm, self.upload)
 
     def _release(self, u: Unit) -> None:
         u.release()
-        if self.pswap is not None and u.state == FREE:
-            self.pswap.drop(u)
+        if self.params_offloaded and u.state == FREE:
+            self.offload_param.evict(u.index, getattr(u, "upload_event", None))
 
     def _fetch(self, u: Unit) -> None:
         if u.index in self._stale:
@@ -207,10 +208,8 @@ class Stage3(Stage2):
             first = False
             if self.offload is not None and not self.offload.unit_ready(u):
                 break                           # its sub-group is still stepping: fetched on use
-            if self.pswap is not None and u.index in self.pswap.on_nvme:
-                self.pswap.start_read(u)        # read ahead; uploaded when it is needed
-            else:
-                self._start(u)
+            if not (self.params_offloaded and self.offload_param.prefetch(u.index)):
+                self._start(u)                  # (a shard out of memory is only read ahead)
             self.prefetch_count += 1
             budget -= u.numel
             live += u.numel
@@ -312,9 +311,8 @@ class Stage3(Stage2):
             self._release(u)
 
     # -- after the optimizer ------------------------------------------------------------
-    def can_overlap_step(self) -> bool:
-        return (bool(self.units_of_module) and self.pswap is None and self.swap is None
-                and getattr(self.offload_optimizer.options, "overlap_step", False))
+    def gathers_per_unit(self) -> bool:
+        return not (self.layout_world == 1 and not self.params_offloaded)
 
     def wait_optimizer(self) -> None:
         super().wait_optimizer()
@@ -333,19 +331,20 @@ class Stage3(Stage2):
                 h.wait()
 
     def checkpoint_state(self, optimizer=None, parts=None) -> dict:
-        """Parameter shards on NVMe with a ``parts`` writer: read in one sub-group's units at a
-        time, their pieces written into that sub-group's part file (see checkpointing.py).
+        """Parameter shards out of memory with a ``parts`` writer: read in one sub-group's units
+        at a time, their pieces written into that sub-group's part file (see checkpointing.py).
         Without one: every shard in and the export copied."""
         from zeroplug.checkpoint import active_part_writer
-        if self.pswap is not None and parts is None:
+        away = self.params_offloaded and not self.offload_param.capabilities.in_memory
+        if away and parts is None:
             parts = active_part_writer()
-        if self.pswap is None or parts is not None:
+        if not away or parts is not None:
             return super().checkpoint_state(optimizer, parts=parts)
         from .partitioner import _copy_tensors
-        with self.pswap.all_in():     # parameter shards read from their files
+        with self.offload_param.all_in():     # parameter shards read in
             return _copy_tensors(super().checkpoint_state(optimizer))
 
-    # load_checkpoint_state: import_state fills a shard on NVMe one unit at a time and writes it back
+    # load_checkpoint_state: import_state fills a shard out of memory one unit at a time
 
     @contextmanager
     def gathered_params(self):

@@ -1,4 +1,4 @@
-"""Sub-group states in swap files between optimizer steps (the nvme offload tier).
+"""Sub-group states in swap files between optimizer steps (the nvme tier, kind "optimizer").
 
 Each sub-group's fp32 master and its elementwise optimizer states (Adam's m and v)
 are written to the tier's swapper after the sub-group steps, and their storages are
@@ -37,10 +37,10 @@ def _elementwise(v, t) -> bool:
 
 
 class SubGroupSwap:
-    def __init__(self, part, tier):
-        self.part, self.tier = part, tier
+    def __init__(self, tier):
+        self.tier = tier
         self.swapper = tier.swapper
-        self.masters = part.master_params()
+        self.masters = tier.masters
         self.optimizer = None             # known once the engine has built it
         self.out: dict[int, list] = {}    # k -> futures of writes in flight
         self.inn: dict[int, list] = {}    # k -> futures of reads in flight

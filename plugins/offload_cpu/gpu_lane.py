@@ -1,4 +1,4 @@
-"""The GPU lane of the offloaded optimizer step (``[offload.optimizer] gpu_step_ratio``).
+"""The GPU lane of the cpu tier's optimizer step (``[offload.optimizer] gpu_step_ratio``).
 
 With the cpu tier every fp32 master and Adam moment lives in pinned host memory and
 cpu_adam steps them. The CPU kernel is bound by the bandwidth its cores can pull
@@ -55,11 +55,12 @@ def assign(sizes: list[int], ratio: float) -> set[int]:
 
 
 class GPULane:
-    def __init__(self, path, chunk: int, largest: int, nbuf: int = 3):
-        self.path = path
-        self.part = path.part
-        self.device = path.device
-        self.cuda = path.cuda
+    def __init__(self, tier, chunk: int, largest: int, nbuf: int = 3):
+        self.tier = tier                            # the cpu tier (host.py) whose sub-groups it steps
+        self.device = tier.train_device
+        self.cuda = tier.cuda
+        self.pdtype = tier.layout.param_dtype
+        self.gdtype = tier.grad_flat.dtype          # a model-dtype host gradient lands in a buffer of it first
         self.chunk = max(1, min(chunk, largest))     # no buffer larger than the largest sub-group
         self.nbuf = nbuf
         self._bufs: list[list[torch.Tensor]] = []
@@ -77,23 +78,23 @@ class GPULane:
 
     def gpu_bytes(self) -> int:
         """GPU memory the lane's chunk buffers take (master, grad, m, v in fp32 + lp)."""
-        g = self.part.master_grad_flat.dtype
+        g = self.gdtype
         extra = torch.finfo(g).bits // 8 if g != torch.float32 else 0
-        return self.nbuf * self.chunk * (16 + torch.finfo(self.part.pdtype).bits // 8 + extra)
+        return self.nbuf * self.chunk * (16 + torch.finfo(self.pdtype).bits // 8 + extra)
 
     def _buffers(self, j: int) -> list[torch.Tensor]:
         while len(self._bufs) <= j:
             f32 = [torch.empty(self.chunk, dtype=torch.float32, device=self.device) for _ in range(4)]
-            lp = torch.empty(self.chunk, dtype=self.part.pdtype, device=self.device)
-            g = self.part.master_grad_flat.dtype       # a model-dtype host gradient lands here first
+            lp = torch.empty(self.chunk, dtype=self.pdtype, device=self.device)
+            g = self.gdtype
             g16 = torch.empty(self.chunk, dtype=g, device=self.device) if g != torch.float32 else None
             self._bufs.append(f32 + [lp, g16])
         return self._bufs[j]
 
-    def _states(self, optimizer, p: torch.Tensor) -> dict:
+    def _states(self, state, p: torch.Tensor) -> dict:
         """cpu_adam's state of ``p``, its moments in page-locked memory (async copies need it)."""
-        st = optimizer.state[p]
-        tier = self.part.offload_optimizer
+        st = state[p]
+        tier = self.tier
         if not st:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             st["exp_avg"] = tier.empty(p.numel(), torch.float32).zero_().view_as(p)
@@ -103,11 +104,11 @@ class GPULane:
                 tier.pin(st[key])       # loaded from a checkpoint into a plain tensor
         return st
 
-    def enqueue(self, optimizer, k: int, master: torch.Tensor, a: int, mult: float) -> None:
-        """Start the step of sub-group k (master elements [a, a + numel)). On a GPU this
-        returns once the work is queued; ``events[k]`` marks its end."""
-        group = optimizer._find_group(master)
-        st = self._states(optimizer, master)
+    def enqueue(self, group: dict, state, k: int, master: torch.Tensor, a: int, mult: float) -> None:
+        """Start the step of sub-group k (master elements [a, a + numel); ``group``: its param
+        group, ``state``: the optimizer's state). On a GPU this returns once the work is
+        queued; ``events[k]`` marks its end."""
+        st = self._states(state, master)
         st["step"] += 1
         n = master.numel()
         self.elements += n
@@ -119,7 +120,7 @@ class GPULane:
                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                   amsgrad=False, maximize=False)
         host = (master.view(-1), master.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
-        on_gpu = self.cuda and self.path.lp_on_device(a, a + n)
+        on_gpu = self.cuda and self.tier.lp_on_device(a, a + n)
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))   # the gradients' D2H
             if self.timing and self._span[0] is None:
@@ -176,7 +177,7 @@ class GPULane:
         blp.copy_(bp)
         for h, d in zip((host[0], host[2], host[3]), (bp, bm, bv)):
             h[x:y].copy_(d, non_blocking=True)
-        for u, ux, uy, s in self.path._pieces(a + x, a + y):
+        for u, ux, uy, s in self.tier.pieces(a + x, a + y):
             src = blp[s:s + uy - ux]
             if on_gpu or not self.cuda:
                 u.shard[ux:uy].copy_(src)

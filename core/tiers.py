@@ -1,0 +1,338 @@
+"""The contract between a ZeRO stage and an offload tier.
+
+The stage owns the layout (units, shards, sub-groups), the reductions, the gathers and
+their order. The tier owns where states live between uses and how they move. They meet
+only through the records and methods below; a tier never reads the stage's objects and
+the stage never reads a tier's options.
+
+An :class:`OffloadTier` fills ``[offload.optimizer]`` (kind ``"optimizer"``: fp32 masters,
+their gradients and the optimizer's states) or ``[offload.param]`` (kind ``"param"``,
+stage 3: the model-dtype parameter shards). The stage calls, for kind "optimizer"::
+
+    plan(layout)                        once, after laying out the units
+    grad_ready(unit, src, accumulate)   backward: a unit's reduced gradient shard exists
+    grads_landed()                      every gradient handed over is in place
+    step(optimizer)                     every sub-group: acquire, optimizer step, publish, release
+    wait(k) / ready(k)                  stage 3: before a unit of sub-group k is gathered
+    wait_all()                          before anything reads the states outside a step
+    export(k, optimizer) / import_(k, optimizer)   checkpoints, one sub-group at a time
+
+for kind "param"::
+
+    plan(layout)                        once: the shards the tier holds
+    fetch(u) / prefetch(u)              before a shard is uploaded and gathered
+    evict(u, after)                     the unit was released
+    update(u)                           new values for a shard (the optimizer's publish)
+    absent(u) / all_in()                checkpoints
+
+and for both ``stash`` / ``unstash`` (``engine.offload_states``) and ``close``. The base
+class implements each of them the simple way (every state in this tier's memory, every copy
+synchronous), so a tier overrides only what it does differently. The built-in "cpu" and
+"nvme" tiers override the step to pipeline it; docs/plugins.md shows a tier of one's own.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+
+from .errors import ConfigError
+from .flat import set_grad
+
+
+@dataclass(frozen=True)
+class TierCapabilities:
+    """What a tier tells the stage about itself (fixed for the tier's life)."""
+    #: states live apart from the model's parameters: the stage goes through this contract
+    #: (False: they stay on the training device with the model, and the stage keeps them)
+    offloaded: bool = True
+    #: every state (or shard) stays in memory between uses; False: ``export(k)`` / ``fetch(u)``
+    #: bring one in, and checkpoints stream one sub-group at a time
+    in_memory: bool = True
+
+
+@dataclass(frozen=True)
+class UnitShard:
+    """One unit's shard of this rank as the tier sees it."""
+    index: int              # the stage's name for the unit (grad_ready, fetch, update, ...)
+    start: int              # offset of its first element in the rank's master numbering
+    shard: torch.Tensor     # its model-dtype shard: initial master values, published values
+
+    @property
+    def numel(self) -> int:
+        return self.shard.numel()
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """The unit of stepping and moving: whole unit shards, consecutive in the numbering."""
+    start: int              # [start, end) of the rank's master numbering
+    end: int
+    units: tuple[int, ...]  # positions in Layout.units
+    group: int              # the parameter group (its settings are optimizer param group k's)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the stage hands the tier in ``plan``."""
+    units: tuple[UnitShard, ...]
+    sub_groups: tuple[SubGroup, ...]      # empty for kind "param"
+    param_dtype: torch.dtype
+    device: torch.device                  # the training device
+    #: reduced gradients are exact in this dtype (the model's with one rank or a model-dtype
+    #: reduction and no accumulation; else fp32): a tier may hold gradients in it
+    exact_grad_dtype: torch.dtype = torch.float32
+    #: the stage calls wait(k) before it gathers a unit of sub-group k (stage 3), so step()
+    #: may return while sub-groups are still stepping
+    gathers_per_unit: bool = False
+    #: every parameter shard stays in memory (False: publish only through write_shard)
+    shards_in_memory: bool = True
+    #: ``with write_shard(unit) as shard:`` new values for a unit's shard (persisted after)
+    write_shard: Callable[[int], ContextManager[torch.Tensor]] | None = None
+
+
+def grad_multiplier(optimizer) -> float:
+    """What this step multiplies gradients by: 1 / the engine's ``optimizer.grad_scale``."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return 1.0 if scale is None else 1.0 / float(scale)
+
+
+def step_group(optimizer, k: int, lp_out=None, grad_multiplier: float = 1.0, threads=None) -> bool:
+    """Step optimizer param group ``k`` (sub-group k) alone; True if ``lp_out`` was written.
+
+    An optimizer may declare ``step_group(k, lp_out=None, grad_multiplier=1.0, threads=None)``
+    (cpu_adam does): it then steps group k in one pass, multiplies the gradients by
+    ``grad_multiplier`` (captured when the step began: the call may run on a worker thread
+    after ``engine.step()`` returned) and writes the updated values rounded into ``lp_out``
+    (a tensor or a list of tensors holding the group's elements in order) when given. Any
+    other ``torch.optim.Optimizer`` steps with its param groups narrowed to group k, reading
+    its ``grad_scale`` attribute as torch's fused optimizers do."""
+    fn = getattr(optimizer, "step_group", None)
+    if fn is not None:
+        fn(k, lp_out=lp_out, grad_multiplier=grad_multiplier, threads=threads)
+        return lp_out is not None
+    groups = optimizer.param_groups
+    optimizer.param_groups = [groups[k]]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups
+    return False
+
+
+def reads_grad_dtype(run, dtype: torch.dtype, state_device: torch.device) -> bool:
+    """Whether the selected optimizer reads gradients of ``dtype`` for fp32 masters on
+    ``state_device`` (its factory's declared ``grad_dtypes``)."""
+    choice = run.config.slot("optimizer")
+    return dtype in choice.impl.grad_dtypes(choice.options, run, state_device)
+
+
+class OffloadTier:
+    """Where a kind of state ("optimizer" or "param") lives between uses, and its movement."""
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    #: the slots it can fill
+    kinds: tuple[str, ...] = ("optimizer", "param")
+
+    def __init__(self, options, run, kind: str):
+        self.options, self.run, self.kind = options, run, kind
+        self.layout: Layout | None = None
+        self.masters: list[torch.Tensor] = []      # kind "optimizer", after plan()
+        self.unit_masters: dict[int, torch.Tensor] = {}   # unit -> its view of its sub-group's master
+        self._at: dict[int, tuple[int, int, int]] = {}   # unit -> (sub-group, offset in it, numel)
+        self._stash: dict = {}
+
+    @classmethod
+    def check_config(cls, config, choice) -> None:
+        kind = choice.path.split(".")[-1]
+        if kind not in cls.kinds:
+            raise ConfigError(f"{choice.path}.plugin = \"{choice.name}\" holds only "
+                              f"{' and '.join(cls.kinds)} states; choose another tier for [{choice.path}]",
+                              key=f"{choice.path}.plugin")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the optimizer finds masters, gradients and states (it is built for it)."""
+        return self.run.device
+
+    @property
+    def capabilities(self) -> TierCapabilities:
+        return TierCapabilities(offloaded=self.device != self.run.device)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer in this tier (stage 3 allocates parameter shards with it)."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    # -- kind "optimizer" --------------------------------------------------------------
+    def plan(self, layout: Layout) -> None:
+        """Called once: check that the states fit (raise a clear error now if not), allocate
+        ``masters`` (one fp32 tensor per sub-group, filled from the units' shards, each with a
+        ``.grad``), ``unit_masters`` (each unit's view of its elements in its sub-group's master,
+        made before any storage leaves memory) and whatever else the tier keeps. A master is
+        the same tensor object for the tier's life: a tier that moves it out of memory frees
+        its storage in place (``zeroplug.flat.free_storage``) and refills it, so views and the
+        optimizer's state keys stay valid. Kind "param": the shards the tier holds (already allocated with
+        ``empty`` and filled), which it may move out of memory until ``fetch``."""
+        self.layout = layout
+        self.masters = []
+        for k, sg in enumerate(layout.sub_groups):
+            m = self.empty(sg.numel, torch.float32)
+            set_grad(m, self.empty(sg.numel, torch.float32).zero_())
+            for i in sg.units:
+                u = layout.units[i]
+                view = m[u.start - sg.start:u.start - sg.start + u.numel]
+                view.copy_(u.shard)
+                self.unit_masters[u.index] = view
+                self._at[u.index] = (k, u.start - sg.start, u.numel)
+            self.masters.append(m)
+
+    def grad_ready(self, unit: int, src: torch.Tensor | None, accumulate: bool) -> None:
+        """Backward: ``src`` is this rank's reduced gradient shard of ``unit`` on the training
+        device (valid until the current stream's later work); ``accumulate`` adds it to what
+        the window already holds. ``src`` None: no gradient reached the unit in this window."""
+        k, off, n = self._at[unit]
+        dst = self.masters[k].grad[off:off + n]
+        if src is None:
+            dst.zero_()
+        elif accumulate:
+            dst.add_(src.to(dst.device, dst.dtype))
+        else:
+            dst.copy_(src)
+
+    def grads_landed(self) -> None:
+        """Return once every gradient handed to grad_ready is in place (before the norm)."""
+
+    def step(self, optimizer) -> None:
+        """Step every sub-group (the engine has set the lr and ``optimizer.grad_scale``) and
+        publish the new values into the units' shards. The default is serial::
+
+            for k: acquire(k); step_group(optimizer, k); publish(k); release(k)
+
+        A tier may order, overlap or pipeline this as it likes; with
+        ``layout.gathers_per_unit`` it may return before every sub-group is done, as long as
+        wait(k), ready(k) and wait_all() tell the truth."""
+        mult = grad_multiplier(optimizer)
+        for k in range(len(self.masters)):
+            self.acquire(k, optimizer)
+            step_group(optimizer, k, grad_multiplier=mult)
+            self.publish(k, optimizer)
+            self.release(k, optimizer, changed=True)
+
+    def acquire(self, k: int, optimizer) -> None:
+        """Sub-group k's master, gradient and optimizer states (``optimizer.state[masters[k]]``,
+        created by the optimizer at its first step) in memory on ``device``."""
+
+    def publish(self, k: int, optimizer) -> None:
+        """Sub-group k's updated masters, rounded to the model dtype, into its units' shards."""
+        sg = self.layout.sub_groups[k]
+        for i in sg.units:
+            u = self.layout.units[i]
+            a = u.start - sg.start
+            with self.layout.write_shard(u.index) as shard:
+                shard.copy_(self.masters[k][a:a + u.numel])
+
+    def release(self, k: int, optimizer, changed: bool) -> None:
+        """The step (or checkpoint) is done with sub-group k: keep it, or move it out
+        (``changed``: its values are new and must be written back)."""
+
+    def wait(self, k: int) -> None:
+        """Return once sub-group k is stepped and published, with the current stream's later
+        work ordered after its upload (stage 3 calls it before gathering a unit of k)."""
+
+    def ready(self, k: int) -> bool:
+        """Whether wait(k) would return at once (the stage prefetches only such units)."""
+        return True
+
+    def wait_all(self) -> None:
+        """Return once the last step is finished, raising its error if it failed."""
+
+    def in_flight(self) -> bool:
+        """Whether a step is still running after step() returned."""
+        return False
+
+    @contextmanager
+    def export(self, k: int, optimizer):
+        """Sub-group k's master and states in memory, to be read, for the block."""
+        self.acquire(k, optimizer)
+        try:
+            yield self.masters[k]
+        finally:
+            self.release(k, optimizer, changed=False)
+
+    @contextmanager
+    def import_(self, k: int, optimizer):
+        """Sub-group k in memory for the block, which writes new values (and may give the
+        optimizer new state tensors for it); written back after."""
+        self.acquire(k, optimizer)
+        try:
+            yield self.masters[k]
+        finally:
+            self.release(k, optimizer, changed=True)
+
+    # -- kind "param" ------------------------------------------------------------------
+    def fetch(self, unit: int) -> None:
+        """Return once ``unit``'s shard holds its values in memory (before it is uploaded)."""
+
+    def prefetch(self, unit: int) -> bool:
+        """Start bringing ``unit``'s shard in; True if it lives out of memory (the stage then
+        gathers it at its use), False if it is in memory already."""
+        return False
+
+    def evict(self, unit: int, after=None) -> None:
+        """``unit`` was released: its shard may leave memory once ``after`` (a CUDA event of
+        the upload that read it, or None) is done."""
+
+    @contextmanager
+    def update(self, unit: int):
+        """``with update(u) as shard:`` new values for the shard, persisted after the block."""
+        yield self._shard(unit)
+
+    def absent(self, unit: int) -> bool:
+        """Whether ``unit``'s shard lives out of memory between uses."""
+        return False
+
+    def all_in(self) -> ContextManager:
+        """Every shard in memory for the block, read-only."""
+        return nullcontext()
+
+    def _shard(self, unit: int) -> torch.Tensor:
+        return next(u.shard for u in self.layout.units if u.index == unit)
+
+    # -- both ----------------------------------------------------------------------------
+    def stash(self, key, data: torch.Tensor, non_blocking: bool = False) -> bool:
+        """``engine.offload_states``: keep a copy of ``data`` (one storage's bytes) under
+        ``key``; the engine then frees the storage. False: the bytes are already where this
+        tier would put them (nothing is moved)."""
+        if data.device == self.device:
+            return False
+        self._stash[key] = data.to(self.device, copy=True, non_blocking=non_blocking)
+        return True
+
+    def unstash(self, key, out: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy ``key``'s bytes back into ``out`` and forget them."""
+        out.copy_(self._stash.pop(key), non_blocking=non_blocking)
+
+    def close(self) -> None:
+        """Release files and buffers (called at exit and on errors)."""
+        self._stash.clear()
+
+
+@contextmanager
+def all_exported(tier: OffloadTier, optimizer):
+    """Every sub-group of ``tier`` in memory for the block (read-only)."""
+    with ExitStack() as stack:
+        for k in range(len(tier.masters)):
+            stack.enter_context(tier.export(k, optimizer))
+        yield
+
+
+#: the name of older plugins' base class
+OffloadDevice = OffloadTier

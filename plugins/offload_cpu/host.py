@@ -1,0 +1,333 @@
+"""States in host memory and how they move: the "cpu" tier's machinery, which the "nvme"
+tier builds on (it adds swap files between steps).
+
+Timeline of one step on a GPU::
+
+    backward  |== grads of unit k reduced ==>| D2H (side stream) into pinned bf16 or fp32 |
+    step      wait D2H | CPU steps sub-group 0 | sub-group 1 | ... |
+    publish              | H2D sub-group 0 (side stream) + cast into bf16 shards | 1 | ...
+    next forward waits (GPU-side only) for the last H2D
+    GPU lane  a share of the sub-groups streamed through torch's fused AdamW (gpu_lane.py),
+              queued before the CPU starts, so both lanes step at once
+
+Note: the global gradient norm (clipping) and the overflow flag need every gradient,
+so the CPU step starts after backward. Stepping sub-groups during backward would mean
+speculating that the step is not clipped and not overflowed, keeping the pre-step
+states to redo the step when it is (one more copy of master, m and v: 12 bytes per
+element). How often the speculation would hold was not measured. Not done.
+
+Note: the next forward does not wait for the whole step (``overlap_step``, when the stage
+waits per unit): the CPU steps sub-groups in forward order on a worker thread and
+engine.step() returns at once. The stage gathers a unit only after ``wait(k)`` for its
+sub-group, a gradient is copied into a sub-group's buffer only after that sub-group has
+stepped, and anything else that reads the states waits for the whole step first
+(``wait_all``). Every value is the one the serial step computes; only the time at which
+it is ready moves.
+
+Note: on a CPU-only run the same code runs with synchronous copies, which is how CI
+tests it against the in-memory path (overlapped steps included).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from zeroplug.flat import set_grad
+from zeroplug.tiers import OffloadTier, TierCapabilities, grad_multiplier, step_group
+
+
+class HostTier(OffloadTier):
+    """Masters, gradients and optimizer states in host memory; the optimizer steps them there."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def capabilities(self) -> TierCapabilities:
+        return TierCapabilities(offloaded=True, in_memory=True)
+
+    # -- what a subclass decides ----------------------------------------------------------
+    def check_memory(self, nbytes: int, what: str) -> None:
+        """Raise a clear error now if ``nbytes`` of host memory (for ``what``) do not fit."""
+
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the gradient shard in host memory."""
+        return torch.float32
+
+    def overlaps(self) -> bool:
+        """Whether the step may run on a worker thread after step() returns."""
+        return False
+
+    def overlap_threads(self) -> int | None:
+        return None
+
+    def make_lane(self, optimizer, ranges, fused: bool) -> None:
+        """Decide, once, which sub-groups the GPU lane steps (the cpu tier has one)."""
+
+    # -- plan --------------------------------------------------------------------------------
+    def plan(self, layout) -> None:
+        self.layout = layout
+        if self.kind != "optimizer":
+            return
+        total = sum(sg.numel for sg in layout.sub_groups)
+        # fp32 master + gradient here, and Adam's two fp32 moments created beside them
+        gdt = self.grad_dtype()
+        gb = torch.finfo(gdt).bits // 8
+        self.check_memory((12 + gb) * total, f"{total:,} fp32 master elements: master 4 + gradient {gb} + "
+                                             f"optimizer states 8 bytes each")
+        self.master_flat = self.empty(total, torch.float32)
+        self.grad_flat = self.empty(total, gdt)
+        self.grad_flat.zero_()
+        for u in layout.units:
+            self.unit_masters[u.index] = self.master_flat[u.start:u.start + u.numel]
+            self.unit_masters[u.index].copy_(u.shard)
+        self.masters = []
+        for sg in layout.sub_groups:
+            t = self.master_flat[sg.start:sg.end]
+            set_grad(t, self.grad_flat[sg.start:sg.end])
+            self.masters.append(t)
+        self.start_movement()
+
+    def start_movement(self) -> None:
+        """The streams and bookkeeping of the step (after masters exist)."""
+        layout = self.layout
+        self.train_device = layout.device
+        self.cuda = self.train_device.type == "cuda"
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(self.train_device)
+            self.h2d = torch.cuda.Stream(self.train_device)
+        self.ranges = [(sg.start, sg.end) for sg in layout.sub_groups]
+        self.sub_group_of: dict[int, int] = {}      # unit -> its sub-group (units with elements here)
+        self.grad_at: dict[int, tuple[int, int]] = {}   # unit -> its gradient's [a, b) in the numbering
+        for k, sg in enumerate(layout.sub_groups):
+            for i in sg.units:
+                u = layout.units[i]
+                self.grad_at[u.index] = (u.start, u.start + u.numel)
+                if u.numel:      # an empty shard on this rank belongs to no sub-group
+                    self.sub_group_of[u.index] = k
+        self.staging: list[torch.Tensor] = []        # device fp32 ring (master copied, then cast)
+        self.host_staging: list[torch.Tensor] = []   # host model-dtype ring (written by step_group)
+        self.events: dict = {}
+        self._worker: ThreadPoolExecutor | None = None
+        self._future = None                        # the step in flight (None: nothing pending)
+        self._stepped: list[threading.Event] = []  # set when sub-group k is stepped and published
+        self._uploaded: dict[int, object] = {}     # k -> CUDA event of its H2D (device shards)
+        self.overlapped_steps = 0                  # a statistic for tests and benchmarks
+        self.lane = None                           # the GPU lane (gpu_lane.py), made at the first step
+        self.lane_groups: set[int] = set()         # sub-groups it steps
+        self._lane_decided = False
+
+    def lp_on_device(self, a: int, b: int) -> bool:
+        """Whether the model-dtype shards of master elements [a, b) are on the training device."""
+        return all(u.shard.device.type != "cpu" for u, _, _, _ in self.pieces(a, b))
+
+    # -- backward: one unit's reduced gradient -----------------------------------------
+    def grad_ready(self, unit, src, accumulate) -> None:
+        k = self.sub_group_of.get(unit)
+        if k is None:       # no elements on this rank
+            return
+        a, b = self.grad_at[unit]
+        base = self.ranges[k][0]
+        dst = self.masters[k].grad[a - base:b - base]
+        self._wait_host(k)                  # the previous step has read this gradient buffer
+        if src is None:
+            dst.zero_()
+            return
+        if self.lane is not None and self.cuda:     # ... and the GPU lane's H2D of it is done
+            self.lane.order_after(k, self.d2h)
+        if not self.cuda:
+            if accumulate:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+            return
+        if accumulate:          # accumulation: rare path, synchronous
+            dst.add_(src.to("cpu", torch.float32))
+            return
+        self.d2h.wait_stream(torch.cuda.current_stream(self.train_device))
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(self.d2h)     # the allocator keeps src until the copy is done
+
+    def grads_landed(self) -> None:
+        if self.cuda:
+            self.d2h.synchronize()
+
+    # -- the step, sub-group by sub-group ---------------------------------------------
+    def step(self, optimizer) -> None:
+        groups = optimizer.param_groups
+        masters = self.masters
+        ranges = self.ranges
+        # Note: an optimizer with step_group (cpu_adam) writes the model-dtype copy in its
+        # own pass: straight into host shards, or into a pinned staging buffer that goes
+        # up at 2 bytes per element; otherwise the fp32 master is copied and cast.
+        fused = hasattr(optimizer, "step_group") and self.layout.shards_in_memory
+        mult = grad_multiplier(optimizer) if fused else 1.0
+        overlapped = fused and self.overlaps()
+        threads = self.overlap_threads() if overlapped else None
+        if self.cuda:
+            self.h2d.wait_stream(torch.cuda.current_stream(self.train_device))
+        if not self._lane_decided:
+            self._lane_decided = True
+            self.make_lane(optimizer, ranges, fused)
+        lane = self.lane_groups      # empty unless a lane was made
+        for k in sorted(lane):      # queued first: the GPU works while the CPU steps the rest
+            self.lane.enqueue(groups[k], optimizer.state, k, masters[k], ranges[k][0], mult)
+        cpu_groups = [k for k in range(len(ranges)) if k not in lane]
+
+        def step_one(k: int) -> None:
+            a, b = ranges[k]
+            if fused:
+                lp = self._lp_target(k, a, b)
+                step_group(optimizer, k, lp_out=lp, grad_multiplier=mult, threads=threads)
+                if not isinstance(lp, list):
+                    self._upload(lp, a, b, k)
+                return
+            optimizer.param_groups = [groups[k]]      # step this sub-group only
+            try:
+                optimizer.step()
+            finally:
+                optimizer.param_groups = groups
+            self.publish_master(masters[k], a, k)
+
+        if overlapped:
+            self._start_overlapped(step_one, cpu_groups, lane)
+            return
+        self.sub_group_loop(optimizer, step_one, cpu_groups)
+        if lane:
+            self.lane.synchronize()     # host readers of the states may come next
+        if self.cuda:
+            torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
+
+    def sub_group_loop(self, optimizer, step_one, order: list[int]) -> None:
+        """Step the sub-groups in ``order`` (the nvme tier reads ahead and writes behind)."""
+        for k in order:
+            step_one(k)
+
+    # -- the overlapped step ------------------------------------------------------------
+    def _start_overlapped(self, step_one, cpu_groups, lane) -> None:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
+        self._stepped = [threading.Event() for _ in self.ranges]
+        self._uploaded = {k: self.lane.events[k] for k in lane if k in self.lane.events}
+        for k in lane:
+            self._stepped[k].set()      # queued on the GPU: waiting is the device's business
+
+        def run() -> None:
+            for k in cpu_groups:
+                step_one(k)
+                if self.cuda:
+                    ev = self.events.get(("staging", k % 2))
+                    if ev is not None:
+                        self._uploaded[k] = ev
+                self._stepped[k].set()
+
+        self._future = self._worker.submit(run)
+        self.overlapped_steps += 1
+
+    def _wait_host(self, k: int) -> None:
+        fut = self._future
+        if fut is None:
+            return
+        while not self._stepped[k].wait(0.5):
+            if fut.done():          # the step failed before reaching k
+                self.wait_all()
+
+    def wait(self, k: int) -> None:
+        if self._future is None:
+            return
+        self._wait_host(k)
+        if self.cuda:
+            ev = self._uploaded.get(k)
+            if ev is not None:
+                torch.cuda.current_stream(self.train_device).wait_event(ev)
+
+    def ready(self, k: int) -> bool:
+        return self._future is None or self._stepped[k].is_set()
+
+    def wait_all(self) -> None:
+        fut, self._future = self._future, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        finally:
+            if self.lane is not None:
+                self.lane.synchronize()
+        if self.cuda:
+            torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
+
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    # -- publishing ------------------------------------------------------------------------
+    def pieces(self, a: int, b: int):
+        """(unit, unit offset x, unit offset y, master offset) for master range [a, b)."""
+        for u in self.layout.units:
+            x, y = max(a, u.start), min(b, u.start + u.numel)
+            if x < y:
+                yield u, x - u.start, y - u.start, x - a
+
+    def _lp_target(self, k: int, a: int, b: int):
+        """Where sub-group k's model-dtype values go: the host shards themselves (a list of
+        slices), or the staging buffer its upload reads (a tensor)."""
+        if not self.lp_on_device(a, b):
+            return [u.shard[x:y] for u, x, y, _ in self.pieces(a, b)]
+        size = max(hi - lo for lo, hi in self.ranges)
+        while len(self.host_staging) < 2:
+            self.host_staging.append(self.empty(size, self.layout.param_dtype))
+        prev = self.events.pop(("staging", k % 2), None)
+        if prev is not None:
+            prev.synchronize()       # the upload of sub-group k - 2 read this buffer
+        return self.host_staging[k % 2][:b - a]
+
+    def _upload(self, src: torch.Tensor, a: int, b: int, k: int) -> None:
+        with torch.cuda.stream(self.h2d):
+            for u, x, y, s in self.pieces(a, b):
+                u.shard[x:y].copy_(src[s:s + y - x], non_blocking=True)
+            self.events[("staging", k % 2)] = self.h2d.record_event()
+
+    def _staging(self, k: int, n: int) -> torch.Tensor:
+        size = max(b - a for a, b in self.ranges)
+        while len(self.staging) < 2:
+            self.staging.append(torch.empty(size, dtype=torch.float32, device=self.train_device))
+        return self.staging[k % 2][:n]
+
+    def publish(self, k: int, optimizer) -> None:
+        self.publish_master(self.masters[k], self.ranges[k][0], k)
+
+    def publish_master(self, master: torch.Tensor, a: int, k: int) -> None:
+        """Master elements [a, a + numel) into the model-dtype shards of their units."""
+        b = a + master.numel()
+        if self.cuda and self.layout.units[0].shard.device.type == "cuda":
+            with torch.cuda.stream(self.h2d):
+                src = self._staging(k, b - a)
+                src.copy_(master, non_blocking=True)
+                self._scatter(src, a, b)
+                self.events[k] = self.h2d.record_event()
+        else:
+            self._scatter(master, a, b)
+
+    def publish_done(self, k: int) -> None:
+        """Block until sub-group k's upload no longer reads its host master."""
+        event = self.events.pop(k, None)
+        if event is not None:
+            event.synchronize()
+
+    def _scatter(self, src: torch.Tensor, a: int, b: int) -> None:
+        in_memory = self.layout.shards_in_memory
+        for u, x, y, s in self.pieces(a, b):
+            if in_memory:
+                u.shard[x:y].copy_(src[s:s + y - x])
+                continue
+            with self.layout.write_shard(u.index) as shard:   # a shard out of memory: filled, written back
+                shard[x:y].copy_(src[s:s + y - x])
+
+    def close(self) -> None:
+        super().close()
+        worker, self._worker = getattr(self, "_worker", None), None
+        if worker is not None:
+            worker.shutdown(wait=True)
