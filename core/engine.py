@@ -23,6 +23,7 @@ from . import config as config_mod
 from .comm import Comm
 from .errors import StateError
 from .memory import device_memory, host_rss_bytes
+from .phases import PhaseClock
 from .registry import get_plugin_manager
 from .slots import RunContext
 
@@ -90,6 +91,7 @@ class Engine:
         self._loss_sum = None
         self._last_step_end = None
         self._timed = (0, 0.0)        # (steps, seconds) for the running average
+        self.phase_clock = PhaseClock(self.run.device)   # phase_* metrics on reported steps
         self._set_lr(self.scheduler.lr_at(0))
         self.hook.zeroplug_engine_created(engine=self)
 
@@ -98,6 +100,8 @@ class Engine:
         self._require_states("forward")
         if self.tokens_per_sample is None and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
             self.tokens_per_sample = int(inputs[0].shape[1])
+        if torch.is_grad_enabled():   # a training forward, not an evaluation
+            self.phase_clock.mark("forward")
         self.partitioner.before_forward()
         return self.module(*inputs, **kwargs)
 
@@ -108,6 +112,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self._require_states("backward")
+        self.phase_clock.mark("backward")
         if self._last_step_end is None:
             self._last_step_end = time.perf_counter()
         self.run.at_boundary = self.is_gradient_accumulation_boundary()
@@ -127,7 +132,9 @@ class Engine:
             return
         self.hook.zeroplug_step_begin(engine=self)
         part = self.partitioner
+        self.phase_clock.mark("wait_gradients")
         part.finish_gradients()
+        self.phase_clock.mark("optimizer")
         scale = self.precision.loss_scale
         norm = math.sqrt(part.grad_norm_sq().item()) / scale   # one host sync per step
         overflow = not math.isfinite(norm)
@@ -171,6 +178,7 @@ class Engine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def _report(self, norm: float, lr: float, skipped: bool) -> None:
+        self.phase_clock.mark("other")     # the loop's own work until the next forward
         now = time.perf_counter()
         dt = now - (self._last_step_end or now)
         self._last_step_end = now
@@ -193,6 +201,7 @@ class Engine:
                            print=True)
         else:
             metrics["print"] = False
+        metrics.update(self.phase_clock.take(keep=metrics["print"]))
         self._loss_sum = None
         self.last_metrics = metrics
         self.hook.zeroplug_step_end(engine=self, metrics=metrics)

@@ -139,6 +139,9 @@ class Monitor:
     def write(self, metrics: dict) -> None:
         pass
 
+    def write_eval(self, metrics: dict) -> None:
+        """Held-out metrics (``step``, ``eval_loss``) from a training loop that evaluates."""
+
     def close(self) -> None:
         pass
 
