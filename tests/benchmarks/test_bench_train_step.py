@@ -5,7 +5,8 @@
 The model is the reference GPT (shared/WORKLOAD.md): at the ``gpu`` size the 1.3B preset,
 micro batch 8, sequence 1,024, bf16, activation checkpointing on every block, AdamW lr 1e-4,
 clipping 1.0, random tokens, 5 timed steps after 2 warm-ups; smaller GPTs of the same
-architecture at the ``cpu`` and ``smallest`` sizes (fp32). Each row's ``extra_info``: tokens/s,
+architecture at the ``cpu`` and ``smallest`` sizes (fp32); ``ZEROPLUG_BENCH_MODEL=2.7B`` picks another
+preset at the ``gpu`` size. Each row's ``extra_info``: tokens/s,
 peak GPU and host memory, the engine's step phases and the ratio to plain PyTorch measured in
 the same run (the ``torch`` row). The NVMe row runs at the ``gpu`` size only with
 ``ZEROPLUG_BENCH_NVME=1`` (a 1.3B step moves ~30 GB through the disk), in ``ZEROPLUG_BENCH_PATH``.
@@ -25,7 +26,8 @@ SIZE = bench_size()
 MODEL, MICRO_BATCH, SEQ, STEPS, WARMUP = {
     "smallest": (GPTConfig(256, 64, n_layer=2, d_model=64, n_head=2), 2, 64, 2, 1),
     "cpu": (GPTConfig(50_304, 256, n_layer=4, d_model=256, n_head=4), 4, 256, 3, 2),
-    "gpu": (get_preset("1.3B", activation_checkpointing=True), 8, 1024, 5, 2),
+    "gpu": (get_preset(os.environ.get("ZEROPLUG_BENCH_MODEL", "1.3B"), activation_checkpointing=True),
+            8, 1024, 5, 2),
 }[SIZE]
 
 _CPU = {"plugin": "cpu"}
