@@ -1,4 +1,4 @@
-"""``zeroplug train | export | plugins | estimate | convert | docs``.
+"""``zeroplug train | export | plugins | estimate | tune | report | convert | docs``.
 
 Config precedence everywhere: command line (``--section.key=value``) > file > defaults.
 Every configuration mistake prints ``error: ...`` and exits 2, without a traceback.
@@ -132,7 +132,13 @@ def cmd_train(args, overrides) -> int:
         if rank == 0 and not progress.tty:
             print(f"checkpoint {path}", file=sys.stderr, flush=True)
 
+    def log_eval(step: int, loss: float) -> None:     # held-out loss for monitors (csv, tensorboard)
+        for m in engine.monitors:
+            m.write_eval({"step": step, "eval_loss": loss})
+
     start_eval = eval_loss()
+    log_eval(start, start_eval)
+    eval_every = max(1, args.steps // 10)
     progress = Progress(args.steps, enabled=rank == 0)
     first = last = None
     gas = cfg.batch.gradient_accumulation_steps
@@ -148,12 +154,15 @@ def cmd_train(args, overrides) -> int:
         first = total if first is None else first
         last = total
         progress.update(step + 1, total)
+        if (step + 1) % eval_every == 0 and step + 1 < args.steps:
+            log_eval(step + 1, eval_loss())
         if ck.dir and ck.every_n_steps and (step + 1) % ck.every_n_steps == 0:
             save(step + 1)
             saved = step + 1
     if ck.dir and ck.every_n_steps and saved != args.steps:
         save(args.steps)
     end_eval = eval_loss()
+    log_eval(args.steps, end_eval)
     engine.close()
     if rank == 0 and first is not None:
         print(f"train loss: first step {first:.4f} -> last step {last:.4f}")
@@ -287,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
     e.set_defaults(fn=cmd_estimate)
+    from zeroplug.tools import report
+    report.add_parser(sub)           # the command's logic lives in zeroplug.tools, outside the core
     c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
     c.add_argument("file")
     c.set_defaults(fn=cmd_convert)
