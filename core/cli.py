@@ -296,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
     e.set_defaults(fn=cmd_estimate)
-    from zeroplug.tools import report
-    report.add_parser(sub)           # the command's logic lives in zeroplug.tools, outside the core
+    from zeroplug.tools import report, tune
+    tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core
+    report.add_parser(sub)
     c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
     c.add_argument("file")
     c.set_defaults(fn=cmd_convert)
