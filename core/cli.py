@@ -191,16 +191,26 @@ def cmd_plugins(args, overrides) -> int:
 
 def cmd_estimate(args, overrides) -> int:
     from .memory import GB, estimate_model_states
-    from .models import get_preset, param_count
-    n = int(float(args.params)) if args.params else param_count(get_preset(args.model))
-    print(f"model states per rank for {n:,} parameters, world size {args.world_size}, "
-          f"{'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    act = None
+    if args.params:
+        if args.micro_batch:
+            raise ZeroplugError("--micro-batch measures a model's activations: give --model, not --params")
+        n = int(float(args.params))
+    else:
+        from zeroplug.tools.probe import estimate_inputs
+        n, act = estimate_inputs(args.model, args.micro_batch, args.seq, args.device)
+    print(f"{'model states' if act is None else 'memory'} per rank for {n:,} parameters, world size "
+          f"{args.world_size}, {'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    if act is not None:
+        print(f"activations: {act.total / GB:.3f} GiB per rank for micro batch {args.micro_batch} x sequence "
+              f"{args.seq} ({act.how}); in the device column")
     print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}")
     for stage in (0, 1, 2, 3):
         for off_opt, off_par in ((False, False), (True, False), (True, True)):
             if off_par and stage < 3 or off_opt and stage == 0:
                 continue
-            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par)
+            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
+                                      act.total if act else 0.0)
             label = "param+optim" if off_par else "optim" if off_opt else "none"
             print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}")
     return 0
@@ -290,11 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=cmd_export)
     sub.add_parser("plugins", help="list plugins, their versions, hooks and implementations").set_defaults(
         fn=cmd_plugins)
-    e = sub.add_parser("estimate", help="model-state memory per rank for each stage and offload")
-    e.add_argument("--model", default="1.3B", help="a model preset (default 1.3B)")
+    e = sub.add_parser("estimate", help="model-state (and, with --micro-batch, activation) memory per rank "
+                                        "for each stage and offload")
+    e.add_argument("--model", default="1.3B",
+                   help="a model preset (default 1.3B), a Hugging Face config.json, or module:function")
     e.add_argument("--params", help="parameter count instead of a preset, e.g. 6.7e9")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
+    e.add_argument("--micro-batch", type=int, help="measure the activations of this micro batch (a probe step)")
+    e.add_argument("--seq", type=int, default=1024, help="sequence length of the probe (default 1024)")
+    e.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"], help="where the probe runs")
     e.set_defaults(fn=cmd_estimate)
     from zeroplug.tools import report, tune
     tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core

@@ -193,3 +193,21 @@ def measure_activations(spec: ModelSpec, micro_batch: int, seq: int, device: tor
                            f"measured on {device.type} at 1 and 2 layers, extrapolated to {spec.n_layer}")
     total = _probe_once(spec, None, batch, device, dtype)
     return Activations(total, total, 0.0, f"measured on {device.type}, whole model")
+
+
+def estimate_inputs(model: str, micro_batch: int | None, seq: int, device: str,
+                    checkpointing: bool = True) -> tuple[int, Activations | None]:
+    """For ``zeroplug estimate``: the parameter count of ``model`` and, with a micro batch, its
+    measured activations on ``device`` (cpu, cuda or auto)."""
+    if micro_batch is not None and (micro_batch < 1 or seq < 1):
+        raise ZeroplugError("--micro-batch and --seq must be at least 1")
+    spec = load_spec(model, checkpointing)
+    if micro_batch is None:
+        return spec.num_params(), None
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return spec.num_params(), measure_activations(spec, micro_batch, seq, dev, dtype)

@@ -29,6 +29,7 @@ GiB = 1024 ** 3
 #: the usable share of free memory or disk in the estimates (allocator slack, buffers)
 HEADROOM = 0.95
 _CPU, _NVME = "cpu", "nvme"
+SUB_GROUP = 100_000_000       # offloaded runs on a GPU: reduce_bucket_size and sub_group_size
 
 
 @dataclass
@@ -108,7 +109,7 @@ def config_for(c: Candidate, micro_batch: int, machine: Machine, lr: float, meas
             if table["plugin"] == _NVME:
                 table["nvme_path"] = machine.nvme_path
         if machine.device.type == "cuda":    # what docs/benchmarks.md's offloaded rows measured
-            cfg["zero"].update(reduce_bucket_size=100_000_000, sub_group_size=100_000_000)
+            cfg["zero"].update(reduce_bucket_size=SUB_GROUP, sub_group_size=SUB_GROUP)
     if measuring:
         cfg["batch"]["steps_per_print"] = 1      # the engine's phase timings on every step
         cfg["monitor"] = {"plugin": "none"}
@@ -122,9 +123,10 @@ def estimate(c: Candidate, n_params: int, activations: float, machine: Machine) 
     e = estimate_model_states(n_params, c.stage, 1, param_bytes, c.optimizer != "none", c.param != "none",
                               activations)
     c.est_device, c.est_host, c.est_disk = e["device"], e["host"], 0.0
-    if c.optimizer == _NVME:       # the states go to disk; sub-groups in flight stay in memory
+    if c.optimizer == _NVME:       # the states go to disk; up to 3 sub-groups in flight stay in memory
+        sub_group = SUB_GROUP if machine.device.type == "cuda" else 1_000_000_000
         c.est_disk += e["optim"]
-        c.est_host += 3 * 100_000_000 * 16 - e["optim"]
+        c.est_host += 3 * min(sub_group, n_params) * 16 - e["optim"]
     if c.param == _NVME:
         c.est_disk += e["params"]
         c.est_host -= e["params"]
@@ -239,8 +241,9 @@ def render(result: TuneResult, command: str) -> str:
              f"# Each candidate ran {result.warmup} warm-up + {result.steps} timed steps (tokens/s of the median "
              "step); peaks are this process's.",
              "#",
-             f"# {'candidate':<46} {'est. GPU':>8} {'est. host':>9} {'tokens/s':>9} {'peak GPU':>8} "
-             f"{'peak host':>9}  result (GiB)"]
+             "# Memory in GiB: estimated (device, host) before running, then the measured peaks.",
+             f"# {'candidate':<46} {'est. dev':>8} {'est. host':>9} {'tokens/s':>9} {'peak GPU':>8} "
+             f"{'peak host':>9}  result"]
     for c in result.candidates:
         ran = c.run is not None and c.run.error is None
         tps = f"{c.tokens_per_s:,.0f}" if ran else "-"
