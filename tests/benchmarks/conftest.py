@@ -1,8 +1,9 @@
 """Sizes and in-run baselines for the benchmark suites.
 
-``ZEROPLUG_BENCH_SIZE`` picks the sizes: ``smallest`` (seconds: what CI runs), ``cpu`` (the
-default without CUDA: a minute or two on a laptop), ``gpu`` (the default with CUDA: the
-reference workload of shared/WORKLOAD.md and H100-class sizes). ``ZEROPLUG_BENCH_PATH`` is the
+``ZEROPLUG_BENCH_SIZE`` picks the sizes: ``smallest`` (seconds: what CI runs, and the default
+under ``--benchmark-disable``, the plain test run), ``cpu`` (the default without CUDA: a minute
+or two on a laptop), ``gpu`` (the default with CUDA: the reference workload of
+shared/WORKLOAD.md and H100-class sizes). ``ZEROPLUG_BENCH_PATH`` is the
 directory the swap and disk benchmarks write to (default: the system's temporary directory).
 
 Under ``--benchmark-enable`` every benchmark runs with all of torch's CPU threads (the unit
@@ -20,7 +21,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_common import bench_size  # noqa: E402
 
-bench_size()     # a wrong ZEROPLUG_BENCH_SIZE stops the run at collection
+
+def _enabled(config) -> bool:
+    return not config.getoption("benchmark_disable", False) or config.getoption("benchmark_enable", False)
+
+
+def pytest_configure(config):
+    if not _enabled(config):     # the plain test run: each benchmark once, at the smallest size
+        os.environ.setdefault("ZEROPLUG_BENCH_SIZE", "smallest")
+    bench_size()                 # a wrong ZEROPLUG_BENCH_SIZE stops the run here
 
 _ALL_THREADS = os.cpu_count() or 1
 
@@ -28,10 +37,8 @@ _ALL_THREADS = os.cpu_count() or 1
 @pytest.fixture(autouse=True)
 def _benchmark_threads(request):
     """All CPU threads while a benchmark is timed (restored after)."""
-    opt = request.config.getoption
-    enabled = not opt("benchmark_disable", False) or opt("benchmark_enable", False)
     before = torch.get_num_threads()
-    if enabled:
+    if _enabled(request.config):
         torch.set_num_threads(int(os.environ.get("ZEROPLUG_BENCH_THREADS", 0)) or _ALL_THREADS)
     yield
     torch.set_num_threads(before)

@@ -25,7 +25,7 @@ from zeroplug.models import GPT, GPTConfig, get_preset
 SIZE = bench_size()
 MODEL, MICRO_BATCH, SEQ, STEPS, WARMUP = {
     "smallest": (GPTConfig(256, 64, n_layer=2, d_model=64, n_head=2), 2, 64, 2, 1),
-    "cpu": (GPTConfig(50_304, 256, n_layer=4, d_model=256, n_head=4), 4, 256, 3, 2),
+    "cpu": (GPTConfig(50_304, 128, n_layer=4, d_model=256, n_head=4), 4, 128, 3, 2),
     "gpu": (get_preset(os.environ.get("ZEROPLUG_BENCH_MODEL", "1.3B"), activation_checkpointing=True),
             8, 1024, 5, 2),
 }[SIZE]
