@@ -129,7 +129,7 @@ def draw(series: Series, out: Path, title: str) -> Path:
         steady = ys[2:] if len(ys) > 4 else ys          # the first reports include warm-up
         med = statistics.median(steady)
         ax_tps.axhline(med, color="#555555", ls="--", lw=1, label=f"median {med:,.0f}")
-        ax_tps.legend(loc="lower right", frameon=False)
+        ax_tps.legend(loc="best", frameon=True, framealpha=0.8)
         ax_tps.set_ylim(bottom=0)
     ax_tps.set(title="Throughput", xlabel="step", ylabel="tokens per second")
 
