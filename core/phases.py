@@ -18,7 +18,11 @@ PHASES = ("forward", "backward", "wait_gradients", "optimizer", "other")
 
 
 class PhaseClock:
+    #: marks kept at most (a loop that never steps must not grow the list)
+    LIMIT = 256
+
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[str, object]] = []
 
@@ -26,9 +30,11 @@ class PhaseClock:
         """``phase`` starts now (and the phase before it ends)."""
         if self.cuda:
             stamp = torch.cuda.Event(enable_timing=True)
-            stamp.record()
+            stamp.record(torch.cuda.current_stream(self.device))
         else:
             stamp = time.perf_counter()
+        if len(self.marks) >= self.LIMIT:
+            self.marks.clear()
         self.marks.append((phase, stamp))
 
     def take(self, keep: bool) -> dict[str, float]:
