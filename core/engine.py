@@ -275,6 +275,7 @@ class Engine:
         self._mover.close()
         self.offload_optimizer.close()
         self.offload_param.close()
+        self.partitioner.close()      # its hooks on the model's parameters held every state alive
 
     # -- checkpoints (core/checkpoint.py) ------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:

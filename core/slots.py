@@ -209,6 +209,10 @@ class Partitioner:
         """The full model state dict on rank 0 (None on other ranks)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Detach from the module (remove every hook ``setup`` placed): called by
+        ``engine.close()``, after which the engine's states can be freed."""
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds, by kind: ``lp_params``, ``lp_grads``, ``hp_params``,
         ``hp_grads`` (for memory accounting and offload_states)."""
