@@ -143,3 +143,11 @@ def test_report_names_what_is_wrong(tmp_path, capsys):
     assert "not a zeroplug metrics CSV" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
     assert "no TensorBoard event files" in capsys.readouterr().err
+
+
+def test_report_reads_the_last_run_of_an_appended_csv(tmp_path):
+    rows = ["step,loss,eval_loss", "0,,5.5", "1,5.6,", "2,5.0,", "0,,5.4", "1,5.3,", "2,4.4,", "2,,4.5"]
+    (tmp_path / "m.csv").write_text("\n".join(rows) + "\n")
+    series = read_run(tmp_path / "m.csv")
+    assert series["loss"] == [(1, 5.3), (2, 4.4)]
+    assert series["eval_loss"] == [(0, 5.4), (2, 4.5)]

@@ -37,8 +37,10 @@ Series = dict[str, list[tuple[int, float]]]
 
 
 def read_csv(path: Path) -> Series:
-    """Every non-empty numeric cell as (step, value), by column; memory in GiB."""
+    """Every non-empty numeric cell as (step, value), by column; memory in GiB. The CSV
+    monitor appends: when the steps start again from a lower one, the last run is read."""
     out: Series = {}
+    last = -1
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames or "step" not in reader.fieldnames:
@@ -49,6 +51,9 @@ def read_csv(path: Path) -> Series:
                 step = int(float(row["step"]))
             except (TypeError, ValueError):
                 continue
+            if step < last:       # a new run appended to the same file
+                out = {}
+            last = step
             for key, cell in row.items():
                 if key in (None, "step") or cell in (None, ""):
                     continue
