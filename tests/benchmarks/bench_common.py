@@ -18,7 +18,9 @@ def bench_size() -> str:
 
 
 def bench_path() -> str:
-    return os.environ.get("ZEROPLUG_BENCH_PATH") or tempfile.gettempdir()
+    path = os.environ.get("ZEROPLUG_BENCH_PATH") or tempfile.gettempdir()
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def record_ratio(benchmark, baselines: dict, key, rate_name: str, rate: float, measure_baseline) -> None:
