@@ -286,8 +286,12 @@ def cmd_tune(args) -> int:
     text = render(result, command)
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise ZeroplugError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     print(text, end="")
     if result.best is None:
         print(f"error: no candidate ran on this machine (table in {out})", file=sys.stderr)
