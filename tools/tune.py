@@ -276,6 +276,13 @@ def cmd_tune(args) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
+    out = Path(args.out)
+    try:     # checked before the minutes of tuning, not after
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ZeroplugError(f"--out {out}: cannot create its directory ({exc.strerror or exc})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise ZeroplugError(f"--out {out}: {out.parent} is not writable")
     spec = load_spec(args.model, not args.no_activation_checkpointing, args.vocab_size)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     result = tune(spec, args.micro_batch, args.seq, dev, args.nvme_path, args.steps, args.warmup,
@@ -284,10 +291,8 @@ def cmd_tune(args) -> int:
     command = "zeroplug " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] \
         else "zeroplug tune"
     text = render(result, command)
-    out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
         os.replace(tmp, out)
     except OSError as exc:
