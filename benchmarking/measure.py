@@ -147,7 +147,6 @@ class EngineRunner:
 
     def step(self, batches) -> float:
         """Forward, backward and optimizer step over ``batches``; returns the mean loss."""
-        total = 0.0
         losses = []
         for b in batches:
             loss = _loss_of(_forward(self.engine, b))
@@ -155,8 +154,7 @@ class EngineRunner:
             self.engine.step()
             losses.append(loss.detach())
         sync(self.device)
-        total = float(sum(x.float().item() for x in losses)) / len(losses)
-        return total
+        return float(sum(x.float().item() for x in losses)) / len(losses)
 
     def phases(self) -> dict[str, float]:
         m = getattr(self.engine, "last_metrics", None) or {}
