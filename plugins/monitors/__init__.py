@@ -56,9 +56,12 @@ class CSVMonitor(Monitor):
             return
         if self._file is None:
             # Note: an evaluation row holds only step and eval_loss; readers skip empty cells.
-            self._file = open(self.options.path, "a", newline="")
-            self._writer = csv.DictWriter(self._file, FIELDS, extrasaction="ignore")
-            if self._file.tell() == 0:
+            self._file = open(self.options.path, "a+", newline="")
+            self._file.seek(0)
+            header = next(csv.reader(self._file), None)     # appending: keep the file's columns
+            self._file.seek(0, 2)
+            self._writer = csv.DictWriter(self._file, header or FIELDS, extrasaction="ignore")
+            if not header:
                 self._writer.writeheader()
         self._writer.writerow(metrics)
         self._file.flush()
