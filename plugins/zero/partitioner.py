@@ -92,6 +92,14 @@ class FlatPartitioner(Partitioner):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
 
+    def close(self) -> None:
+        # Note: a parameter's post-accumulate-grad hook is held by autograd's C++ side, which
+        # the garbage collector cannot see through: until it is removed, the bound method
+        # keeps this partitioner, and every buffer it owns, alive after the engine is gone.
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
     def _prepare_module(self, module):
         for name, p in module.named_parameters():
             _check_materialized(name, p)
