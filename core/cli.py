@@ -1,4 +1,4 @@
-"""``zeroplug train | export | plugins | estimate | convert | docs``.
+"""``zeroplug train | export | plugins | estimate | tune | report | convert | docs``.
 
 Config precedence everywhere: command line (``--section.key=value``) > file > defaults.
 Every configuration mistake prints ``error: ...`` and exits 2, without a traceback.
@@ -132,7 +132,14 @@ def cmd_train(args, overrides) -> int:
         if rank == 0 and not progress.tty:
             print(f"checkpoint {path}", file=sys.stderr, flush=True)
 
+    def log_eval(step: int, loss: float) -> None:     # held-out loss for monitors (csv, tensorboard)
+        for m in engine.monitors:
+            if hasattr(m, "write_eval"):
+                m.write_eval({"step": step, "eval_loss": loss})
+
     start_eval = eval_loss()
+    log_eval(start, start_eval)
+    eval_every = max(1, args.steps // 10)
     progress = Progress(args.steps, enabled=rank == 0)
     first = last = None
     gas = cfg.batch.gradient_accumulation_steps
@@ -148,12 +155,15 @@ def cmd_train(args, overrides) -> int:
         first = total if first is None else first
         last = total
         progress.update(step + 1, total)
+        if (step + 1) % eval_every == 0 and step + 1 < args.steps:
+            log_eval(step + 1, eval_loss())
         if ck.dir and ck.every_n_steps and (step + 1) % ck.every_n_steps == 0:
             save(step + 1)
             saved = step + 1
     if ck.dir and ck.every_n_steps and saved != args.steps:
         save(args.steps)
     end_eval = eval_loss()
+    log_eval(args.steps, end_eval)
     engine.close()
     if rank == 0 and first is not None:
         print(f"train loss: first step {first:.4f} -> last step {last:.4f}")
@@ -182,16 +192,26 @@ def cmd_plugins(args, overrides) -> int:
 
 def cmd_estimate(args, overrides) -> int:
     from .memory import GB, estimate_model_states
-    from .models import get_preset, param_count
-    n = int(float(args.params)) if args.params else param_count(get_preset(args.model))
-    print(f"model states per rank for {n:,} parameters, world size {args.world_size}, "
-          f"{'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    act = None
+    if args.params:
+        if args.micro_batch:
+            raise ZeroplugError("--micro-batch measures a model's activations: give --model, not --params")
+        n = int(float(args.params))
+    else:
+        from zeroplug.tools.probe import estimate_inputs
+        n, act = estimate_inputs(args.model, args.micro_batch, args.seq, args.device)
+    print(f"{'model states' if act is None else 'memory'} per rank for {n:,} parameters, world size "
+          f"{args.world_size}, {'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    if act is not None:
+        print(f"activations: {act.total / GB:.3f} GiB per rank for micro batch {args.micro_batch} x sequence "
+              f"{args.seq} ({act.how}); in the device column")
     print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}")
     for stage in (0, 1, 2, 3):
         for off_opt, off_par in ((False, False), (True, False), (True, True)):
             if off_par and stage < 3 or off_opt and stage == 0:
                 continue
-            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par)
+            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
+                                      act.total if act else 0.0)
             label = "param+optim" if off_par else "optim" if off_opt else "none"
             print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}")
     return 0
@@ -284,12 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=cmd_export)
     sub.add_parser("plugins", help="list plugins, their versions, hooks and implementations").set_defaults(
         fn=cmd_plugins)
-    e = sub.add_parser("estimate", help="model-state memory per rank for each stage and offload")
-    e.add_argument("--model", default="1.3B", help="a model preset (default 1.3B)")
+    e = sub.add_parser("estimate", help="model-state (and, with --micro-batch, activation) memory per rank "
+                                        "for each stage and offload")
+    e.add_argument("--model", default="1.3B",
+                   help="a model preset (default 1.3B), a Hugging Face config.json, or module:function")
     e.add_argument("--params", help="parameter count instead of a preset, e.g. 6.7e9")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
+    e.add_argument("--micro-batch", type=int, help="measure the activations of this micro batch (a probe step)")
+    e.add_argument("--seq", type=int, default=1024, help="sequence length of the probe (default 1024)")
+    e.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"], help="where the probe runs")
     e.set_defaults(fn=cmd_estimate)
+    from zeroplug.tools import report, tune
+    tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core
+    report.add_parser(sub)
     c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
     c.add_argument("file")
     c.set_defaults(fn=cmd_convert)

@@ -121,6 +121,9 @@ class Monitor:
     def write(self, metrics: dict) -> None:
         pass
 
+    def write_eval(self, metrics: dict) -> None:
+        """Held-out metrics (``step``, ``eval_loss``) from a training loop that evaluates."""
+
     def close(self) -> None:
         pass
 
@@ -191,6 +194,10 @@ class Partitioner:
     def consolidated_state_dict(self, module: torch.nn.Module) -> dict | None:
         """The full model state dict on rank 0 (None on other ranks)."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Detach from the module (remove every hook ``setup`` placed): called by
+        ``engine.close()``, after which the engine's states can be freed."""
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds, by kind: ``lp_params``, ``lp_grads``, ``hp_params``,
