@@ -282,17 +282,17 @@ class Engine:
                        non_blocking: bool = False, nvme_path: str | None = None) -> None:
         """Move training states off the device (``include``: names or OffloadStateTypeEnum;
         default all). ``device``: "cpu" or "nvme" (files under ``nvme_path``). Harmless to repeat."""
-        from .offload_states import ALL_STATES, engine_state_tensors, state_name
+        from .offload_states import ALL_STATES, engine_state_tensors, make_tier, state_name
         dev = device.value if hasattr(device, "value") else str(device)
-        if dev not in ("cpu", "nvme"):
-            raise StateError(f"offload_states(device={dev!r}): choose \"cpu\" or \"nvme\"")
+        tier = self._mover.tiers.get(dev) or make_tier(self, dev, pin_memory, nvme_path)
+        self._mover.tiers[dev] = tier
         names = [state_name(s) for s in include] if include is not None else list(ALL_STATES)
         self.partitioner.release_all()      # drains in-flight prefetches first (stage 3)
         if self.run.device.type == "cuda":
             torch.cuda.synchronize()
         tensors = engine_state_tensors(self)
         for name in names:
-            self._mover.offload(name, tensors[name], dev, pin_memory, non_blocking, nvme_path)
+            self._mover.offload(tensors[name], tier, non_blocking)
             self.states_offloaded.add(name)
         self.hook.zeroplug_offload_states(engine=self, include=set(names), device=dev)
 

@@ -1,8 +1,10 @@
 """``engine.offload_states`` / ``reload_states`` / ``get_state_devices``.
 
-One mechanism for every stage and tier: each distinct storage behind a state's
-tensors is copied out (to CPU memory, pinned or not, or to a file for "nvme") and
-then resized to 0 bytes; reloading resizes it back and copies the bytes in.
+One mechanism for every stage: each distinct storage behind a state's tensors is handed to
+an offload tier (``device`` names one: "cpu" keeps the bytes in host memory, pinned or not;
+"nvme" writes them through its swapper into a private directory; any registered tier
+may serve) and then resized to 0 bytes; reloading resizes it back and the tier copies the
+bytes in. The engine builds the tier for the call and closes it after the reload.
 
 Note: because storages are resized in place rather than tensors replaced, every
 view (parameters of a flat buffer, sub-group tensors, ``.grad`` views, tensors the
@@ -11,15 +13,12 @@ re-wired after a reload, and a reload restores bit-identical bytes.
 """
 from __future__ import annotations
 
-import ctypes
 import enum
-import os
-import shutil
 import tempfile
 
 import torch
 
-from .errors import ZeroplugError
+from .errors import StateError, ZeroplugError
 
 
 class OffloadStateTypeEnum(str, enum.Enum):
@@ -49,86 +48,58 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _host_buffer(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU uint8 tensor as a buffer for file I/O.
-
-    Note: through ctypes rather than ``.numpy()``, which would need numpy and would fix
-    the storage's size for good (it could no longer be resized to 0)."""
-    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+def make_tier(engine, device: str, pin_memory: bool, nvme_path: str | None):
+    """The offload tier named ``device``, for ``offload_states`` (kind "states"): its options
+    are its defaults with ``pin_memory`` and ``nvme_path`` where it has them."""
+    from .options import build_options, fields_of
+    from .tiers import OffloadTier
+    key = "offload_states(device)"
+    reg = engine.plugin_manager.get("offload", device, key=key)
+    given = {"pin_memory": pin_memory, "nvme_path": nvme_path or tempfile.gettempdir()}
+    table = {k: v for k, v in given.items() if k in fields_of(reg.impl.Options)}
+    tier = reg.impl(build_options(reg.impl.Options, table, key), engine.run, "states")
+    if not isinstance(tier, OffloadTier) or not tier.capabilities.offloaded:
+        raise StateError(f"offload_states(device={device!r}): that tier keeps states on the training device; "
+                         "use \"cpu\" or \"nvme\"")
+    return tier
 
 
 class StateMover:
-    """Remembers where each moved storage's bytes are."""
+    """Remembers which storages went to which tier."""
 
     def __init__(self):
-        self.moved: dict[int, tuple[torch.UntypedStorage, object, int]] = {}   # cdata -> (storage, where, nbytes)
-        self.by_state: dict[str, set[int]] = {}
-        self.dir: str | None = None
+        self.moved: dict[int, tuple[torch.UntypedStorage, object, int]] = {}   # cdata -> (storage, tier, nbytes)
+        self.tiers: dict[str, object] = {}
 
     def location(self, t: torch.Tensor) -> torch.device:
         entry = self.moved.get(t.untyped_storage()._cdata)
-        if entry is None:
-            return t.device
-        where = entry[1]
-        return torch.device("cpu") if torch.is_tensor(where) else torch.device("cpu")  # files count as host
+        return t.device if entry is None else entry[1].device     # files count as host memory
 
-    def offload(self, state: str, tensors, device: str, pin_memory: bool, non_blocking: bool,
-                nvme_path: str | None = None) -> None:
-        keys = self.by_state.setdefault(state, set())
+    def offload(self, tensors, tier, non_blocking: bool) -> None:
         for t in tensors:
             s = t.untyped_storage()
             key = s._cdata
             if key in self.moved or s.size() == 0:
-                keys.add(key) if key in self.moved else None
                 continue
-            if device == "cpu" and s.device.type == "cpu":
-                continue                       # already in host memory
             nbytes = s.size()
-            src = _bytes_view(s)
-            if device == "nvme":
-                if self.dir is None:
-                    base = nvme_path or tempfile.gettempdir()
-                    self.dir = tempfile.mkdtemp(prefix="zeroplug-states-", dir=base)   # mode 0700
-                path = os.path.join(self.dir, f"{key:x}.bin")
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(_host_buffer(src if src.device.type == "cpu" else src.cpu()))
-                where = path
-            else:
-                pin = pin_memory and torch.cuda.is_available()
-                where = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                where.copy_(src, non_blocking=non_blocking and pin)
-            # Note: freeing right after an async copy on the same stream is safe: the
-            # caching allocator hands the block out again only to later work on that stream.
+            if not tier.stash(key, _bytes_view(s), non_blocking):
+                continue                        # already where the tier would keep it
             s.resize_(0)
-            self.moved[key] = (s, where, nbytes)
-            keys.add(key)
+            self.moved[key] = (s, tier, nbytes)
 
     def reload(self, non_blocking: bool) -> None:
-        for key, (s, where, nbytes) in list(self.moved.items()):
+        for key, (s, tier, nbytes) in list(self.moved.items()):
             s.resize_(nbytes)
-            dst = _bytes_view(s)
-            if isinstance(where, str):
-                host = dst if dst.device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8)
-                with open(where, "rb") as f:
-                    if f.readinto(_host_buffer(host)) != nbytes:
-                        raise ZeroplugError(f"reload_states: {where} is shorter than the {nbytes} bytes "
-                                            f"written; the state file was changed or truncated")
-                if host is not dst:
-                    dst.copy_(host)
-                os.unlink(where)
-            else:
-                dst.copy_(where, non_blocking=non_blocking and where.is_pinned())
+            tier.unstash(key, _bytes_view(s), non_blocking)
         if torch.cuda.is_available() and not non_blocking:
             torch.cuda.synchronize()
         self.moved.clear()
-        self.by_state.clear()
         self.close()
 
     def close(self) -> None:
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
+        for tier in self.tiers.values():
+            tier.close()
+        self.tiers.clear()
 
 
 def engine_state_tensors(engine) -> dict[str, list[torch.Tensor]]:
