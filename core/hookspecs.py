@@ -66,8 +66,10 @@ def zeroplug_register_schedulers(register):
 def zeroplug_register_offload_devices(register):
     """Register offload tiers (the ``[offload.optimizer]`` and ``[offload.param]`` slots).
 
-    Called once at setup. ``register(name, cls)`` with ``cls`` following
-    :class:`zeroplug.slots.OffloadDevice`. Returns nothing.
+    Called once at setup. ``register(name, cls)`` with ``cls`` a subclass of
+    :class:`zeroplug.tiers.OffloadTier`: the contract between a ZeRO stage and a tier
+    (where states live, how they move), documented method by method there and in
+    docs/plugins.md, "Writing an offload tier". Returns nothing.
     """
 
 
