@@ -60,9 +60,9 @@ def cmd_train(args, overrides) -> int:
 
     from . import config as config_mod
     from .comm import init_distributed_from_env
-    from .data import ByteBatches, load_text, stdlib_corpus
+    from .workload.data import ByteBatches, load_text, stdlib_corpus
     from .engine import initialize
-    from .models import GPT, get_preset
+    from .workload.models import GPT, get_preset
 
     device = args.device
     if device == "auto":
@@ -236,7 +236,7 @@ def cmd_convert(args, overrides) -> int:
 
 def cmd_docs(args, overrides) -> int:
     if args.deepspeed:
-        from .deepspeed_keys import compat_markdown
+        from .convert.keys import compat_markdown
         print(compat_markdown())
         return 0
     from .config import CORE_TABLES, SLOT_TABLES

@@ -251,7 +251,7 @@ def test_convert_output_trains_bit_identically(name, tmp_path):
 
 
 def test_compat_doc_is_generated_from_the_table():
-    from zeroplug.deepspeed_keys import compat_markdown
+    from zeroplug.convert.keys import compat_markdown
     doc = Path(__file__).parent.parent / "docs" / "deepspeed-compat.md"
     assert doc.read_text() == compat_markdown() + "\n", "regenerate: zeroplug docs --deepspeed > docs/deepspeed-compat.md"
 

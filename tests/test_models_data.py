@@ -1,34 +1,13 @@
-"""The reference GPT model (zeroplug.models) and the training data (zeroplug.data)."""
+"""The reference GPT model and the training data behind ``zeroplug train`` (zeroplug.workload)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_CORE = Path(__file__).resolve().parents[1] / "core"
-
-
-def _load(name: str):
-    """zeroplug.<name> when installed; otherwise core/<name>.py loaded by path."""
-    try:
-        return importlib.import_module(f"zeroplug.{name}")
-    except Exception:  # not installed yet, or the package's __init__ is incomplete
-        key = f"_zeroplug_standalone_{name}"
-        if key not in sys.modules:
-            spec = importlib.util.spec_from_file_location(key, _CORE / f"{name}.py")
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[key] = mod
-            spec.loader.exec_module(mod)
-        return sys.modules[key]
-
-
-models = _load("models")
-data = _load("data")
+from zeroplug.workload import data, models
 
 TINY = models.GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)
 

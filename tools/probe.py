@@ -56,7 +56,7 @@ class ModelSpec:
 
 
 def _preset(name: str, checkpointing: bool) -> ModelSpec:
-    from zeroplug.models import GPT, get_preset
+    from zeroplug.workload.models import GPT, get_preset
     cfg = get_preset(name, activation_checkpointing=checkpointing)
 
     def build(layers):
@@ -115,7 +115,7 @@ def _function(text: str, vocab_size: int | None) -> ModelSpec:
 
 def load_spec(text: str, checkpointing: bool = True, vocab_size: int | None = None) -> ModelSpec:
     """A preset name, a path to a Hugging Face config.json, or ``module:function``."""
-    from zeroplug.models import PRESETS
+    from zeroplug.workload.models import PRESETS
     if text in PRESETS:
         return _preset(text, checkpointing)
     p = Path(text)

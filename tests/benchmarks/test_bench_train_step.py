@@ -20,7 +20,7 @@ import pytest
 import torch
 from bench_common import bench_path, bench_size
 
-from zeroplug.models import GPT, GPTConfig, get_preset
+from zeroplug.workload.models import GPT, GPTConfig, get_preset
 
 SIZE = bench_size()
 MODEL, MICRO_BATCH, SEQ, STEPS, WARMUP = {

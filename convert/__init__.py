@@ -1,6 +1,6 @@
 """DeepSpeed configs into zeroplug's layout: ``zeroplug convert``, and DeepSpeed JSON files or
 dicts given to ``zeroplug.initialize``. What each DeepSpeed key becomes is the table in
-deepspeed_keys.py; this module applies it, fills DeepSpeed's ``"auto"`` values and checks
+keys.py; this module applies it, fills DeepSpeed's ``"auto"`` values and checks
 the combinations DeepSpeed refuses (docs/deepspeed-compat.md is generated from both).
 """
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .deepspeed_keys import (AUTO, HIDDEN, IGNORED, KEEP, OFF, OPTIMIZERS, REFUSED, RULES, SCHEDULERS,
+from .keys import (AUTO, HIDDEN, IGNORED, KEEP, OFF, OPTIMIZERS, REFUSED, RULES, SCHEDULERS,
                              STRICT_SECTIONS, ANY, Rule)
-from .errors import ConfigError
-from .options import suggest
+from zeroplug.errors import ConfigError
+from zeroplug.options import suggest
 
 _BATCH = {"train_batch_size": "batch.train_batch_size", "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
           "gradient_accumulation_steps": "batch.gradient_accumulation_steps"}
