@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -81,6 +82,10 @@ class Engine:
         self._lr_scale = [g["lr"] / base for g in self.optimizer.param_groups]
         self.scheduler = build("scheduler", factory.lr)
         self.monitors = [build("monitor")]
+        for m in self.monitors:     # lifecycle plugins of this engine (slots.Monitor)
+            name = f"zeroplug-monitor-{id(m):x}"
+            pm.attach(m, name)
+            weakref.finalize(self, pm.detach, name)
 
         b = cfg.batch
         self.micro_batch_size = b.micro_batch_size
@@ -225,10 +230,7 @@ class Engine:
         metrics.update(self.phase_clock.take(keep=metrics["print"]))
         self._loss_sum = None
         self.last_metrics = metrics
-        self.hook.zeroplug_step_end(engine=self, metrics=metrics)
-        if metrics["print"]:
-            for m in self.monitors:
-                m.write(metrics)
+        self.hook.zeroplug_step_end(engine=self, metrics=metrics)    # monitors write on "print" steps
 
     # -- modes and views -----------------------------------------------------------
     def train(self, mode: bool = True):
@@ -310,8 +312,9 @@ class Engine:
     def close(self) -> None:
         """Release offload files and buffers; monitors flush."""
         self.partitioner.wait_optimizer()
+        self.hook.zeroplug_engine_closed(engine=self)
         for m in self.monitors:
-            m.close()
+            self.plugin_manager.detach(f"zeroplug-monitor-{id(m):x}")
         self._mover.close()
         self.offload_optimizer.close()
         self.offload_param.close()

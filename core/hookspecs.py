@@ -13,7 +13,9 @@ Two kinds of hooks:
   knowing it.
 
 Note: the slot implementations do the work of a step; lifecycle hooks observe
-and extend. A hook with ``firstresult`` stops at the first non-None answer.
+and extend. A hook with ``firstresult`` stops at the first non-None answer. A hook
+implementation whose name matches no hook here is an error when its plugin registers
+(pluggy's ``check_pending``), so a misspelled hook never goes silently uncalled.
 """
 from __future__ import annotations
 
@@ -106,6 +108,13 @@ def zeroplug_step_end(engine, metrics):
     (a dict: ``step``, ``loss``, ``lr``, ``loss_scale``, ``grad_norm``,
     ``skipped``, ...). A plugin may add keys to ``metrics``; monitors see them.
     Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_engine_closed(engine):
+    """Called by ``engine.close()`` once the last optimizer step has finished, before the
+    offload tiers release their buffers and files (monitors flush here). Returns nothing.
     """
 
 

@@ -17,6 +17,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginError
+from .options import suggest
 
 ENTRY_POINT_GROUP = "zeroplug"
 
@@ -78,9 +79,29 @@ class PluginManager:
 
     def register(self, plugin, name: str, version: str = "?") -> None:
         """Add a plugin object (a module or an instance with hookimpls)."""
-        self.pm.register(plugin, name=name)
+        self.attach(plugin, name)
         self.versions[name] = version
         self._registry = None
+
+    def attach(self, plugin, name: str) -> None:
+        """Register ``plugin`` for its lifecycle hooks only (an engine's monitor: registers
+        no implementations). A hook implementation that matches no hook is an error."""
+        self.pm.register(plugin, name=name)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            self.pm.unregister(name=name)
+            known = [h for h in dir(hookspecs) if h.startswith("zeroplug_")]
+            bad = sorted(n for n in dir(plugin) if n not in known and hasattr(getattr(plugin, n), "zeroplug_impl"))
+            what = ", ".join(f"{b!r}" for b in bad) or str(exc)
+            raise PluginError(f"plugin {name!r}: hook implementation {what} matches no zeroplug hook."
+                              f"{suggest(bad[0], known) if bad else ''} The hooks are in zeroplug.hookspecs "
+                              f"(docs/plugins.md)") from None
+
+    def detach(self, name: str) -> None:
+        """Undo :meth:`attach` (harmless when already gone)."""
+        if self.pm.has_plugin(name):
+            self.pm.unregister(name=name)
 
     # -- named implementations -------------------------------------------------
     def registry(self) -> dict[str, dict[str, Registered]]:

@@ -7,12 +7,13 @@ Optional ``check_config(config, choice)`` classmethods apply rules across slots.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
 from .comm import Comm
+from .hookspecs import hookimpl
 # the offload tier's slot: the stage <-> tier contract (documented there)
 from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, TierCapabilities,  # noqa: F401
                     UnitShard, step_group)
@@ -20,17 +21,19 @@ from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, TierCapabiliti
 
 @dataclass
 class RunContext:
-    """What every slot implementation may know about the run."""
+    """What every slot implementation may know about the run: the one place where state
+    is shared between plugins (besides the records of a slot's own contract, e.g. the
+    offload tier's in :mod:`zeroplug.tiers`). A plugin never reads another plugin's
+    objects or options; what they must agree on is a field here, set by the engine."""
     device: torch.device
     comm: Comm
-    config: Any                      # zeroplug.config.Config
+    config: Any                      # zeroplug.config.Config: every slot's choice and options
     hook: Any = None                 # the plugin manager's hook relay
     # set by the engine while a backward runs: True on the micro-step that ends
     # gradient accumulation (reductions happen then for stages 0-1) ...
     at_boundary: bool = True
     # ... and True on the first micro-step of an accumulation window
     first_micro_step: bool = True
-    extras: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -110,13 +113,28 @@ class Scheduler:
 
 
 class Monitor:
-    """Receives each step's metrics."""
+    """Receives each reported step's metrics.
+
+    A monitor is a lifecycle plugin of its engine: the engine registers it with the plugin
+    manager for its life, and the hook implementations below call ``write`` on the steps
+    that are reported (``steps_per_print``), after every other plugin's
+    ``zeroplug_step_end`` has added its keys, and ``close`` when the engine closes."""
     @dataclass(frozen=True)
     class Options:
         pass
 
     def __init__(self, options, run: RunContext):
         self.options, self.run = options, run
+
+    @hookimpl(trylast=True)
+    def zeroplug_step_end(self, engine, metrics) -> None:
+        if engine.run is self.run and metrics.get("print"):
+            self.write(metrics)
+
+    @hookimpl
+    def zeroplug_engine_closed(self, engine) -> None:
+        if engine.run is self.run:
+            self.close()
 
     def write(self, metrics: dict) -> None:
         pass

@@ -81,6 +81,10 @@ class Recorder:
     def zeroplug_reload_states(self, engine):
         self.calls.append(("zeroplug_reload_states", {"engine": engine}))
 
+    @zeroplug.hookimpl
+    def zeroplug_engine_closed(self, engine):
+        self.calls.append(("zeroplug_engine_closed", {"engine": engine, "step": engine.global_step}))
+
 
 def _make_impl(slot):
     class Impl:
@@ -242,6 +246,58 @@ def test_offload_and_reload_states():
     engine.close()
 
 
+class ListMonitor(zeroplug.slots.Monitor):
+    """Keeps what it is given (a monitor: the engine's lifecycle plugin)."""
+    rows: list = []
+    closed: list = []
+
+    def write(self, metrics):
+        self.rows.append(dict(metrics))
+
+    def close(self):
+        self.closed.append(True)
+
+
+class MonitorPlugin:
+    @zeroplug.hookimpl
+    def zeroplug_register_monitors(self, register):
+        register("list", ListMonitor)
+
+
+def test_engine_closed_and_monitors_are_hook_implementations():
+    rec = Recorder()
+    registry.get_plugin_manager().register(MonitorPlugin(), "list_monitor")
+    ListMonitor.rows, ListMonitor.closed = [], []
+    engine = make_engine(rec, monitor={"plugin": "list"}, batch={"micro_batch_size": 2, "steps_per_print": 2})
+    other = zeroplug.initialize(ToyNet(), {"monitor": {"plugin": "list"}}, device="cpu")   # its monitor: its steps
+    train(engine, 4)
+    assert [r["step"] for r in ListMonitor.rows] == [1, 2, 4]        # the reported steps, of this engine only
+    assert all(r["recorder_saw"] == r["step"] for r in ListMonitor.rows)   # after the other plugins' keys
+    pm = registry.get_plugin_manager()
+    attached = [n for n, p in pm.pm.list_name_plugin() if isinstance(p, ListMonitor)]
+    assert len(attached) == 2
+    engine.close()
+    calls = rec.of("zeroplug_engine_closed")
+    assert len(calls) == 1 and calls[0]["engine"] is engine and calls[0]["step"] == 4
+    assert ListMonitor.closed == [True]
+    assert len([p for _, p in pm.pm.list_name_plugin() if isinstance(p, ListMonitor)]) == 1
+    other.close()
+    assert not [p for _, p in pm.pm.list_name_plugin() if isinstance(p, ListMonitor)]
+
+
+def test_misspelled_hook_implementation_is_an_error():
+    class Typo:
+        @zeroplug.hookimpl
+        def zeroplug_step_ned(self, engine, metrics):
+            pass
+
+    pm = registry.PluginManager(load_entry_points=False)
+    with pytest.raises(zeroplug.PluginError, match=r"'typo'.*'zeroplug_step_ned' matches no zeroplug hook.*"
+                                                   r"Did you mean 'zeroplug_step_end'"):
+        pm.register(Typo(), "typo")
+    assert not pm.pm.has_plugin("typo")
+
+
 #: hook -> the test above that exercises it
 COVERED = {
     **{hook: "test_register_hooks" for hook in SLOTS.values()},
@@ -252,6 +308,7 @@ COVERED = {
     "zeroplug_checkpoint_state_load": "test_checkpoint_state_save_and_load",
     "zeroplug_offload_states": "test_offload_and_reload_states",
     "zeroplug_reload_states": "test_offload_and_reload_states",
+    "zeroplug_engine_closed": "test_engine_closed_and_monitors_are_hook_implementations",
 }
 
 
