@@ -76,10 +76,11 @@ def _read_config_file(path):
 
 
 def _check_train_args(args) -> None:
-    for flag, value in (("--steps", args.steps), ("--seq", args.seq), ("--max-bytes", args.max_bytes)):
-        if value is not None and value <= 0:
-            raise ZeroplugError(f"{flag} {value}: must be a positive number (e.g. {flag} "
-                                f"{ {'--steps': 300, '--seq': 128, '--max-bytes': 1000000}[flag]})")
+    for flag, value, example in (("--steps", args.steps, 300), ("--seq", args.seq, 128),
+                                 ("--max-bytes", args.max_bytes, 1000000),
+                                 ("--collective-timeout", args.collective_timeout, 600)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ZeroplugError(f"{flag} {value}: must be a positive number (e.g. {flag} {example})")
 
 
 def cmd_train(args, overrides) -> int:
@@ -101,7 +102,7 @@ def cmd_train(args, overrides) -> int:
         raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_distributed_from_env(device)
+    init_distributed_from_env(device, args.collective_timeout)
     cfg_path = args.config or (Path("zero.toml") if Path("zero.toml").is_file() else DEFAULT_CONFIG)
     raw = _read_config_file(cfg_path)
     if device == "cuda" and "precision" not in raw and not any(o.startswith("--precision.") for o in overrides):
@@ -196,6 +197,13 @@ def cmd_train(args, overrides) -> int:
                  else "the start (no checkpoint was saved)")
         raise ZeroplugError(f"{exc} The step failed part-way, so nothing is saved from it; once fixed, "
                             f"continue from {where}") from None
+    except RuntimeError as exc:
+        if world == 1 or not _collective_failure(exc):
+            raise
+        first_line = str(exc).strip().splitlines()[0][-300:]
+        raise ZeroplugError(f"rank {rank}: a collective with the other ranks failed ({first_line}): another rank "
+                            f"died or stopped responding (torchrun's summary names it), so the job stops; "
+                            f"continue from the last checkpoint with --resume") from None
     end_eval = eval_loss()
     engine.close()
     checkpoint_dir.release(args)
@@ -205,6 +213,14 @@ def cmd_train(args, overrides) -> int:
               f"({'lower' if end_eval < start_eval else 'NOT lower'}; "
               f"{start_eval / math.log(2):.2f} -> {end_eval / math.log(2):.2f} bits per byte)")
     return 0
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """An error of the process group: a peer gone (connection closed or reset) or silent (timeout)."""
+    import torch.distributed as dist
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        s in text for s in ("gloo", "NCCL", "Timed out", "Connection closed", "Connection reset"))
 
 
 def _resume(engine, directory, choice):
@@ -334,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
+    t.add_argument("--collective-timeout", type=float, metavar="SECONDS",
+                   help="under torchrun: a collective that waits this long for another rank fails and "
+                        "ends the job (default: torch's, 30 min for gloo, 10 for NCCL)")
     t.add_argument("--resume", nargs="?", const="latest", metavar="auto|TAG",
                    help="continue from the checkpoint that [checkpoint] dir's 'latest' names (if there is "
                         "one); =auto: or, if that one is missing or corrupt, from the newest that verifies; "
