@@ -66,7 +66,7 @@ def _same_file(path: str, fd: int) -> bool:
 def holder_record() -> dict:
     """What a lock file says about this process."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-            "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300]}
+            "command": " ".join([os.path.basename(argv[0]), *argv[1:]] if (argv := sys.orig_argv) else [])[:300]}
 
 
 def try_lock(path, create: bool = True, record: bool = True, mode: int = 0o644) -> FileLock | None:
