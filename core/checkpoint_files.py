@@ -266,8 +266,10 @@ def read_latest(root: Path) -> str:
     try:
         tag = data.decode("utf-8").strip()
     except UnicodeDecodeError:
+        tag = None
+    if tag is None or not tag.isprintable():
         raise CheckpointError(f"{str(latest)!r} is corrupt: {len(data)} bytes of binary data, not the name "
-                              "of a checkpoint") from None
+                              "of a checkpoint")
     if len(tag) > 255 or not plain_name(tag):
         raise CheckpointError(f"{str(latest)!r} names {tag[:80]!r}, which is not a checkpoint tag in "
                               f"{str(root)!r} (a plain name: no '/', not starting with '.')")
