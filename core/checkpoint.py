@@ -241,7 +241,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             _check_tag(tag)
             locked = checkpoint_dir.hold(save_dir, engine)   # refused if another run writes there
             need = max(need, _previous_bytes(save_dir))
-            checkpoint_dir.check_space(save_dir, need, f"checkpoint {tag!r}")
+            checkpoint_dir.check_space(save_dir, need)
             tmp_name = f"{TMP_PREFIX}{tag}-{secrets.token_hex(4)}"
             try:
                 (save_dir / tmp_name).mkdir()

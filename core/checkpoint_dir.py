@@ -172,14 +172,14 @@ def release(owner) -> None:
                     lock.release()
 
 
-def check_space(save_dir, need: int, what: str) -> None:
-    """Refuse a save of ``need`` bytes that cannot fit (before anything is written)."""
+def check_space(save_dir, need: int) -> None:
+    """Refuse a save of ``need`` bytes that cannot fit, before anything is written."""
     free = free_bytes(save_dir)
     if free is None or need <= free:
         return
     raise CheckpointError(
-        f"{what} needs about {fmt_bytes(need)} but {save_dir} has {fmt_bytes(free)} free (it would fail "
-        f"with ENOSPC). Fix: {_FIXES[errno.ENOSPC]}")
+        f"it needs about {fmt_bytes(need)} but {save_dir} has {fmt_bytes(free)} free (it would fail with ENOSPC). "
+        f"Fix: {_FIXES[errno.ENOSPC]}")
 
 
 __all__ = ["LOCK", "prepare", "hold", "hold_on_rank0", "holds", "release", "check_space", "os_error_message", "fmt_bytes",
