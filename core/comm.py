@@ -125,5 +125,15 @@ def init_distributed_from_env(device_type: str, timeout: float | None = None) ->
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
-        dist.init_process_group(backend, **kw)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend, **kw)
+            return True
+        # Note: torchrun's agent serves one store to every attempt of the job, and the keys the
+        # killed attempt's ranks wrote (their addresses) stay in it; a restarted rank may read
+        # a dead peer's address there and fail ("Gloo connectFullMesh failed ... Connection
+        # refused"). A prefix per attempt keeps the attempts apart.
+        store, rank, world = next(dist.rendezvous("env://", **kw))
+        store = dist.PrefixStore(f"zeroplug/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     return True
