@@ -212,6 +212,11 @@ def _previous_bytes(save_dir: Path) -> int:
         return 0
 
 
+def _unchanged(save_dir: Path) -> str:
+    latest = save_dir / LATEST
+    return f"{latest} still names the previous one" if latest.is_file() else "no checkpoint was written"
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
     """Write ``engine``'s complete training state; every rank must call it. Returns the path."""
     comm = engine.run.comm
@@ -252,8 +257,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             plan = {"error": str(exc)}
     plan = comm.broadcast_object(plan, src=0)
     if "error" in plan:
-        raise CheckpointError(f"checkpoint {tag!r} was not saved: {plan['error']}; "
-                              f"{save_dir / LATEST} still names the previous one")
+        raise CheckpointError(f"checkpoint {tag!r} was not saved: {plan['error']}; {_unchanged(save_dir)}")
     tag, tmp = plan["tag"], save_dir / plan["tmp"]
 
     fname = rank_file_name(rank)
@@ -276,8 +280,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     if errors:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"checkpoint {tag!r} was not saved ({errors[0]}); "
-                              f"{save_dir / LATEST} still names the previous one") from failure
+        raise CheckpointError(f"checkpoint {tag!r} was not saved ({errors[0]}); {_unchanged(save_dir)}") from failure
 
     final = save_dir / tag
     status = None

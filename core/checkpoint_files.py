@@ -349,9 +349,9 @@ def _file_problem(path: Path, name: str, entry: dict, hash_it: bool) -> str | No
     if not f.is_file():
         return f"checkpoint {str(path)!r}: file {name} is missing"
     size = f.stat().st_size
-    if size != entry["size"]:
-        return f"checkpoint {str(path)!r}: file {name} is corrupt (size {size}, manifest says {entry['size']})"
-    if hash_it and file_sha256(f) != entry["sha256"]:
+    if size != entry.get("size"):
+        return f"checkpoint {str(path)!r}: file {name} is corrupt (size {size}, manifest says {entry.get('size')})"
+    if hash_it and file_sha256(f) != entry.get("sha256"):
         return f"checkpoint {str(path)!r}: file {name} is corrupt (sha256 differs from the manifest)"
     return None
 
