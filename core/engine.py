@@ -22,7 +22,7 @@ import torch
 
 from . import config as config_mod
 from .comm import Comm
-from .errors import StateError
+from .errors import StateError, StepFailedError
 from .memory import device_memory, host_rss_bytes
 from .phases import PhaseClock
 from .registry import get_plugin_manager
@@ -157,6 +157,16 @@ class Engine:
             return
         self.micro_steps_in_window = 0
         self.hook.zeroplug_step_begin(engine=self)
+        try:
+            self._boundary_step()
+        except BaseException as exc:
+            # Note: the sub-groups stepped before the error are updated and the rest are not;
+            # such a state must never be trained on or saved as if it were whole.
+            self.run.failed = self.run.failed or (
+                f"optimizer step {self.global_step + 1} failed ({type(exc).__name__}: {exc})")
+            raise
+
+    def _boundary_step(self) -> None:
         part = self.partitioner
         self.phase_clock.mark("wait_gradients")
         part.finish_gradients()
@@ -305,12 +315,16 @@ class Engine:
         self.hook.zeroplug_reload_states(engine=self)
 
     def _require_states(self, what: str) -> None:
+        if self.run.failed is not None:
+            raise StepFailedError(what, self.run.failed)
         if self.states_offloaded:
             raise StateError(f"engine.{what}() called while states {sorted(self.states_offloaded)} are "
                              f"offloaded; call engine.reload_states() first")
 
     def close(self) -> None:
         """Release offload files and buffers; monitors flush."""
+        from .checkpoint_dir import release
+        release(self)                   # the locks of the checkpoint directories it saved to
         self.partitioner.wait_optimizer()
         self.hook.zeroplug_engine_closed(engine=self)
         for m in self.monitors:

@@ -34,6 +34,10 @@ class RunContext:
     at_boundary: bool = True
     # ... and True on the first micro-step of an accumulation window
     first_micro_step: bool = True
+    # why the training state is no longer consistent (an optimizer step failed part-way;
+    # set by the engine, or by a tier whose step finishes after engine.step() returns);
+    # None while it is. Cleared by loading a checkpoint.
+    failed: str | None = None
 
     @property
     def rank(self) -> int:
