@@ -86,7 +86,7 @@ def _check_train_args(args) -> None:
 def cmd_train(args, overrides) -> int:
     import torch
 
-    from . import checkpoint_dir
+    from .checkpoint import directory as checkpoint_dir
     from . import config as config_mod
     from .comm import init_distributed_from_env
     from .workload.data import ByteBatches, load_text, min_corpus_bytes, stdlib_corpus

@@ -323,7 +323,7 @@ class Engine:
 
     def close(self) -> None:
         """Release offload files and buffers; monitors flush."""
-        from .checkpoint_dir import release
+        from .checkpoint.directory import release
         release(self)                   # the locks of the checkpoint directories it saved to
         self.partitioner.wait_optimizer()
         self.hook.zeroplug_engine_closed(engine=self)

@@ -33,7 +33,8 @@ CHILD = textwrap.dedent(r"""
     import contextlib, errno, io, json, os, pathlib, sys
     sys.path.insert(0, sys.argv[1])
     import torch
-    from zeroplug import checkpoint_dir, checkpoint_files
+    from zeroplug.checkpoint import directory as checkpoint_dir
+    from zeroplug.checkpoint import files as checkpoint_files
     from zeroplug.checkpoint import CheckpointError
     from zeroplug.errors import StepFailedError, ZeroplugError
     from test_checkpoint import cfg, make, train, train_step

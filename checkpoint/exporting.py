@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import CheckpointError, ShardSet, atomic_torch_save, read_manifest, resolve, verify
+from .files import CheckpointError, ShardSet, atomic_torch_save, read_manifest, resolve, verify
 
 
 def _dtype(name: str) -> torch.dtype:

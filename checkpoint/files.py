@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ZeroplugError
+from zeroplug.errors import ZeroplugError
 
 FORMAT = "zeroplug-checkpoint"
 VERSION = 2             # the newest format this reads; a save without part files writes version 1

@@ -2,8 +2,9 @@
 
 This module is the save / load protocol and the public API. The files themselves (the
 directory layout, atomic writes, manifests and sha256 verification, part files, reading
-rank files back) are :mod:`zeroplug.checkpoint_files`; consolidation into one state dict
-and export are :mod:`zeroplug.checkpoint_export`. Their names are importable from here too.
+rank files back) are :mod:`.files`; consolidation into one state dict
+and export are :mod:`.exporting`; the directory (checked, locked, its space) is
+:mod:`.directory`. Their public names are importable from here too.
 
 Saving: rank 0 creates ``<dir>/.tmp-<tag>-<random>`` and broadcasts its name; every rank
 writes and fsyncs its file there (hashing the bytes as they are written); the ranks
@@ -48,16 +49,16 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint_dir
-from .errors import StepFailedError
-from .checkpoint_files import (
+from . import directory as checkpoint_dir
+from zeroplug.errors import StepFailedError
+from .files import (
     FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, _install, atomic_write_text,
     fsync_dir, newest_verified, prune, rank_file_name, read_latest, read_manifest, resolve, verify, write_manifest,
     write_torch_file,
 )
 # Re-exported: the engine, the CLI, the zero plugin and the tests import them from here.
-from .checkpoint_export import consolidate, export  # noqa: F401
-from .checkpoint_files import atomic_torch_save, load, piece_view  # noqa: F401
+from .exporting import consolidate, export  # noqa: F401
+from .files import atomic_torch_save, load, piece_view  # noqa: F401
 
 log = logging.getLogger("zeroplug")
 

@@ -20,8 +20,9 @@ import shutil
 import threading
 from pathlib import Path
 
-from .checkpoint_files import CheckpointError
-from .locks import UNSUPPORTED, describe_holder, read_holder, try_lock
+from zeroplug.locks import UNSUPPORTED, describe_holder, read_holder, try_lock
+
+from .files import CheckpointError
 
 log = logging.getLogger("zeroplug")
 
