@@ -1,32 +1,43 @@
-"""``zeroplug train | export | plugins | estimate | tune | report | convert | docs``.
+"""``zeroplug train``: the built-in GPT (:mod:`.models`) on a byte corpus (:mod:`.data`),
+through the public API, with checkpoints, resume and a held-out loss before and after.
 
-Config precedence everywhere: command line (``--section.key=value``) > file > defaults.
-Every configuration mistake prints ``error: ...`` and exits 2, without a traceback.
+Config precedence: command line (``--section.key=value``) > file > defaults.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from .errors import StepFailedError, ZeroplugError
+import zeroplug
+from zeroplug.errors import StepFailedError, ZeroplugError
 
-DEFAULT_CONFIG = Path(__file__).with_name("zero.toml")
+#: the packaged default configuration (what ``zeroplug train`` reads without --config or ./zero.toml)
+DEFAULT_CONFIG = Path(zeroplug.__file__).with_name("zero.toml")
 
 
-def _split_overrides(argv):
-    """``--section.key=value`` items (a dot before '=') are config overrides; the rest is argparse's."""
-    overrides, rest = [], []
-    for a in argv:
-        head = a.split("=", 1)[0]
-        if a.startswith("--") and "." in head:
-            overrides.append(a)
-        else:
-            rest.append(a)
-    return overrides, rest
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", help="train the built-in GPT on a text corpus (default: the stdlib's sources)",
+                       epilog="Any --section.key=value overrides the config, e.g. --zero.plugin=stage2")
+    t.add_argument("--config", help="TOML (or DeepSpeed JSON) config; default: ./zero.toml, else the packaged one")
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    t.add_argument("--data", help="train on this text file instead of the stdlib corpus")
+    t.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="cpu (default), cuda, or auto (cuda when present)")
+    t.add_argument("--model", default="char-tiny", help="model preset (default char-tiny)")
+    t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
+    t.add_argument("--collective-timeout", type=float, metavar="SECONDS",
+                   help="under torchrun: a collective that waits this long for another rank fails and "
+                        "ends the job (default: torch's, 30 min for gloo, 10 for NCCL)")
+    t.add_argument("--resume", nargs="?", const="latest", metavar="auto|TAG",
+                   help="continue from the checkpoint that [checkpoint] dir's 'latest' names (if there is "
+                        "one); =auto: or, if that one is missing or corrupt, from the newest that verifies; "
+                        "=TAG: from that one")
+    t.set_defaults(fn=cmd_train)
 
 
 class Progress:
@@ -57,7 +68,7 @@ class Progress:
 
 def _read_config_file(path):
     """The config at ``path`` as a raw dict; a file that is not text is named as such."""
-    from . import config as config_mod
+    from zeroplug import config as config_mod
     p = Path(path)
     if p.is_dir():
         raise ZeroplugError(f"--config {str(p)!r} is a directory: pass a TOML file or a DeepSpeed JSON file")
@@ -86,12 +97,13 @@ def _check_train_args(args) -> None:
 def cmd_train(args, overrides) -> int:
     import torch
 
-    from .checkpoint import directory as checkpoint_dir
-    from . import config as config_mod
-    from .comm import init_distributed_from_env
-    from .workload.data import ByteBatches, load_text, min_corpus_bytes, stdlib_corpus
-    from .engine import initialize
-    from .workload.models import GPT, get_preset
+    from zeroplug import config as config_mod
+    from zeroplug.checkpoint import directory as checkpoint_dir
+    from zeroplug.comm import init_distributed_from_env
+    from zeroplug.engine import initialize, make_run
+
+    from .data import ByteBatches, load_text, min_corpus_bytes, stdlib_corpus
+    from .models import GPT, get_preset
 
     _check_train_args(args)
 
@@ -107,7 +119,6 @@ def cmd_train(args, overrides) -> int:
     raw = _read_config_file(cfg_path)
     if device == "cuda" and "precision" not in raw and not any(o.startswith("--precision.") for o in overrides):
         overrides = ["--precision.plugin=bf16", *overrides]       # the GPU default
-    from .engine import make_run
     cfg, run, _ = make_run(config_mod.apply_overrides(raw, overrides), device=device)
     rank, world = run.rank, run.world_size
     if rank == 0:
@@ -236,7 +247,7 @@ def _collective_failure(exc: BaseException) -> bool:
 def _resume(engine, directory, choice):
     """``--resume`` (the checkpoint ``latest`` names), ``--resume=auto`` (that one, else the
     newest that verifies) or ``--resume=TAG``; None when the directory holds none yet."""
-    from .checkpoint import CheckpointError, resume
+    from zeroplug.checkpoint import CheckpointError, resume
     if not directory:
         raise ZeroplugError("--resume needs a checkpoint directory: set [checkpoint] dir "
                             "(e.g. --checkpoint.dir=ckpt)")
@@ -250,181 +261,3 @@ def _resume(engine, directory, choice):
                 f"; no other checkpoint in {directory} verifies: start without --resume, or set another "
                 f"checkpoint.dir" if hasattr(exc, "newest") else "")
         raise ZeroplugError(f"--resume: {exc}{hint}") from None
-
-
-def cmd_export(args, overrides) -> int:
-    from .checkpoint import export
-    out = export(args.checkpoint, args.out, tag=args.tag)
-    print(f"wrote {out}")
-    return 0
-
-
-def cmd_plugins(args, overrides) -> int:
-    from .registry import get_plugin_manager
-    pm = get_plugin_manager()
-    for row in pm.describe():
-        print(f"{row['name']} {row['version']}")
-        print(f"    provides: {', '.join(row['provides']) or '-'}")
-        print(f"    hooks:    {', '.join(row['hooks'])}")
-    return 0
-
-
-def cmd_estimate(args, overrides) -> int:
-    from .memory import GB, estimate_model_states
-    act = None
-    if args.params:
-        if args.micro_batch:
-            raise ZeroplugError("--micro-batch measures a model's activations: give --model, not --params")
-        n = int(float(args.params))
-    else:
-        from zeroplug.tools.probe import estimate_inputs
-        n, act = estimate_inputs(args.model, args.micro_batch, args.seq, args.device)
-    print(f"{'model states' if act is None else 'memory'} per rank for {n:,} parameters, world size "
-          f"{args.world_size}, {'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
-    if act is not None:
-        print(f"activations: {act.total / GB:.3f} GiB per rank for micro batch {args.micro_batch} x sequence "
-              f"{args.seq} ({act.how}); in the device column")
-    print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}")
-    for stage in (0, 1, 2, 3):
-        for off_opt, off_par in ((False, False), (True, False), (True, True)):
-            if off_par and stage < 3 or off_opt and stage == 0:
-                continue
-            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
-                                      act.total if act else 0.0)
-            label = "param+optim" if off_par else "optim" if off_opt else "none"
-            print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}")
-    return 0
-
-
-def cmd_convert(args, overrides) -> int:
-    import json
-
-    from .convert import convert_text
-    try:
-        ds = json.loads(Path(args.file).read_text())
-    except FileNotFoundError:
-        raise ZeroplugError(f"{args.file}: no such file") from None
-    except json.JSONDecodeError as exc:
-        raise ZeroplugError(f"{args.file}: not valid JSON: {exc}") from None
-    try:
-        print(convert_text(ds), end="")
-    except ZeroplugError as exc:
-        raise ZeroplugError(f"{args.file}: {exc}") from None
-    return 0
-
-
-def cmd_docs(args, overrides) -> int:
-    if args.deepspeed:
-        from .convert.keys import compat_markdown
-        print(compat_markdown())
-        return 0
-    from .config import CORE_TABLES, SLOT_TABLES
-    from .options import option_docs
-    from .registry import get_plugin_manager
-    pm = get_plugin_manager()
-    out = ["# Configuration reference", "",
-           "Generated by `zeroplug docs` from the options each plugin declares. One rule: each slot is a",
-           "table with a `plugin` key naming who fills it; the other keys are that plugin's options.", ""]
-
-    def table(title, cls):
-        out.extend([f"### {title}", "", (cls.__doc__ or "").strip().split("\n")[0], "",
-                    "| key | type | default | meaning |", "| --- | --- | --- | --- |"])
-        out.extend(f"| `{n}` | {t} | `{d}` | {h} |" for n, t, d, h in option_docs(cls))
-        out.append("")
-    out.append("## Core tables\n")
-    out.append("`[aio]` (DeepSpeed's name) gives defaults for the nvme tier's I/O keys (`block_size`, "
-               "`queue_depth`, `thread_count` / `intra_op_parallelism`, `single_submit`, `overlap_events`) "
-               "in both `[offload.optimizer]` and `[offload.param]`; keys set in those tables win. See "
-               "plugin \"nvme\" below.\n")
-    for name, cls in CORE_TABLES.items():
-        table(f"[{name}]", cls)
-    done = set()
-    for path, (slot, default) in SLOT_TABLES.items():
-        if slot in done:
-            continue
-        done.add(slot)
-        paths = [p for p, (s, _) in SLOT_TABLES.items() if s == slot]
-        out.append(f"## [{'] / ['.join(paths)}] — slot `{slot}` (default plugin: `{default}`)\n")
-        for name in pm.names(slot):
-            impl = pm.registry()[slot][name].impl
-            out.append(f"#### plugin = \"{name}\" — {(impl.__doc__ or '').strip().splitlines()[0]}\n")
-            opts = option_docs(impl.Options)
-            if opts:
-                out.extend(["| key | type | default | meaning |", "| --- | --- | --- | --- |"])
-                out.extend(f"| `{n}` | {t} | `{d}` | {h} |" for n, t, d, h in opts)
-            else:
-                out.append("No options.")
-            out.append("")
-    print("\n".join(out))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zeroplug", description="Plugin-based ZeRO training for PyTorch.")
-    sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the built-in GPT on a text corpus (default: the stdlib's sources)",
-                       epilog="Any --section.key=value overrides the config, e.g. --zero.plugin=stage2")
-    t.add_argument("--config", help="TOML (or DeepSpeed JSON) config; default: ./zero.toml, else the packaged one")
-    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
-    t.add_argument("--data", help="train on this text file instead of the stdlib corpus")
-    t.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
-                   help="cpu (default), cuda, or auto (cuda when present)")
-    t.add_argument("--model", default="char-tiny", help="model preset (default char-tiny)")
-    t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
-    t.add_argument("--collective-timeout", type=float, metavar="SECONDS",
-                   help="under torchrun: a collective that waits this long for another rank fails and "
-                        "ends the job (default: torch's, 30 min for gloo, 10 for NCCL)")
-    t.add_argument("--resume", nargs="?", const="latest", metavar="auto|TAG",
-                   help="continue from the checkpoint that [checkpoint] dir's 'latest' names (if there is "
-                        "one); =auto: or, if that one is missing or corrupt, from the newest that verifies; "
-                        "=TAG: from that one")
-    t.set_defaults(fn=cmd_train)
-    x = sub.add_parser("export", help="write a checkpoint's consolidated model state dict (.pt or .safetensors)")
-    x.add_argument("checkpoint", help="a checkpoint directory (its 'latest' tag) or one tag's directory")
-    x.add_argument("out", help="output file: .safetensors (needs the safetensors package) or .pt")
-    x.add_argument("--tag", help="the tag to export (default: latest)")
-    x.set_defaults(fn=cmd_export)
-    sub.add_parser("plugins", help="list plugins, their versions, hooks and implementations").set_defaults(
-        fn=cmd_plugins)
-    e = sub.add_parser("estimate", help="model-state (and, with --micro-batch, activation) memory per rank "
-                                        "for each stage and offload")
-    e.add_argument("--model", default="1.3B",
-                   help="a model preset (default 1.3B), a Hugging Face config.json, or module:function")
-    e.add_argument("--params", help="parameter count instead of a preset, e.g. 6.7e9")
-    e.add_argument("--world-size", type=int, default=1)
-    e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
-    e.add_argument("--micro-batch", type=int, help="measure the activations of this micro batch (a probe step)")
-    e.add_argument("--seq", type=int, default=1024, help="sequence length of the probe (default 1024)")
-    e.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"], help="where the probe runs")
-    e.set_defaults(fn=cmd_estimate)
-    from zeroplug.tools import report, tune
-    tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core
-    report.add_parser(sub)
-    c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
-    c.add_argument("file")
-    c.set_defaults(fn=cmd_convert)
-    d = sub.add_parser("docs", help="print the configuration reference (markdown)")
-    d.add_argument("--deepspeed", action="store_true",
-                   help="print the DeepSpeed key table instead (docs/deepspeed-compat.md)")
-    d.set_defaults(fn=cmd_docs)
-    return p
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    overrides, rest = _split_overrides(argv)
-    args = build_parser().parse_args(rest)
-    try:
-        return args.fn(args, overrides)
-    except (ZeroplugError, MemoryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
