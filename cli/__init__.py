@@ -44,7 +44,8 @@ def cmd_plugins(args, overrides) -> int:
 
 
 def cmd_estimate(args, overrides) -> int:
-    from zeroplug.memory import GB, estimate_model_states
+    from zeroplug.memory import GB
+    from zeroplug.tools.probe import estimate_model_states
     act = None
     if args.params:
         if args.micro_batch:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .keys import (AUTO, HIDDEN, IGNORED, KEEP, OFF, OPTIMIZERS, REFUSED, RULES, SCHEDULERS,
-                             STRICT_SECTIONS, ANY, Rule)
 from zeroplug.errors import ConfigError
 from zeroplug.options import suggest
+
+from .keys import (AUTO, HIDDEN, IGNORED, KEEP, OFF, OPTIMIZERS, REFUSED, RULES, SCHEDULERS,
+                   STRICT_SECTIONS, ANY, Rule)
 
 _BATCH = {"train_batch_size": "batch.train_batch_size", "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
           "gradient_accumulation_steps": "batch.gradient_accumulation_steps"}

@@ -8,7 +8,6 @@ the plugin's ``Options`` dataclass. Tables that belong to no slot (``[batch]``,
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import sys
@@ -90,15 +89,8 @@ def read_file(path: str | os.PathLike) -> dict:
                           f"(see zero.toml in the project root for an example)")
     text = p.read_text()
     if p.suffix == ".json":
-        from .convert import from_deepspeed
-        try:
-            ds = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{p}: not valid JSON: {exc}") from None
-        try:
-            return from_deepspeed(ds)
-        except ConfigError as exc:
-            raise ConfigError(f"{p}: {exc}", key=exc.key) from None
+        from .convert.load import read_json
+        return read_json(p, text)
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -255,50 +247,7 @@ def load(source=None, overrides=None, pm=None, world_size: int = 1, model=None) 
     else:
         raise ConfigError(f"config must be a path, a dict or a zeroplug Config, got {type(source).__name__}")
     raw = apply_overrides(raw, overrides)
-    translation = getattr(raw, "translation", None)
-    if translation is None:
+    if getattr(raw, "translation", None) is None:
         return resolve(raw, pm, world_size)
-    from .convert import check_batch, fill_from_model
-    fill_from_model(raw, model)
-    check_batch(raw, world_size)
-    try:
-        cfg = resolve(raw, pm, world_size)
-    except ConfigError as exc:     # name the DeepSpeed key the user wrote
-        ds_key = translation.origin.get(exc.key or "")
-        if ds_key is None:
-            raise
-        raise ConfigError(f"{exc} (DeepSpeed key {ds_key})", key=ds_key) from None
-    _report_deepspeed(cfg, translation)
-    return cfg
-
-
-def _report_deepspeed(cfg: Config, translation) -> None:
-    """Once, on rank 0: the DeepSpeed keys ignored (and why) and every "auto" value as resolved."""
-    if translation.reported:
-        return
-    translation.reported = True
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return
-    log = logging.getLogger("zeroplug")
-    for note in translation.notes:
-        log.warning("[zeroplug] DeepSpeed config: %s", note)
-    for ds_key, target, source in translation.autos:
-        log.warning("[zeroplug] DeepSpeed config: %s = \"auto\" -> %s = %s (%s)", ds_key, target,
-                    _final_value(cfg, target), source)
-
-
-def _final_value(cfg: Config, target: str):
-    """The value a resolved Config ended up with for a zeroplug key (for the "auto" report)."""
-    table, _, name = target.rpartition(".")
-    if table == "batch":
-        return getattr(cfg.batch, name)
-    if name == "plugin":
-        return cfg.slot(table).name
-    choice = cfg.slots.get(table)
-    value = getattr(choice.options, name, None) if choice else None
-    if value == "auto" and target.startswith("zero."):
-        return "auto; the ZeRO stage sets it at setup"
-    if value == "auto" and target == "scheduler.warmup_max_lr":
-        return _final_value(cfg, "optimizer.lr")
-    return value
+    from .convert.load import resolve_translated
+    return resolve_translated(raw, model, world_size, lambda r: resolve(r, pm, world_size))

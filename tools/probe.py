@@ -12,6 +12,12 @@ which keeps no such count, the bytes of the tensors autograd saves for backward 
 excluded); the transient recompute of checkpointed blocks is not seen there. Layer stacks
 are measured at one and two layers and extrapolated (the layers are alike); a model whose
 depth cannot be changed is measured whole.
+
+The model-state estimate follows the ZeRO accounting (bytes per parameter, seed 001's
+``estimate_zero{2,3}_model_states_mem_needs``): with Adam in mixed precision, 2 bytes of
+parameters + 2 of gradients (model dtype) + 12 of optimizer state (fp32 master, m, v) per
+parameter, divided across N ranks as the stage shards. Activations are not sharded by any
+stage: each rank holds its own micro-batch's.
 """
 from __future__ import annotations
 
@@ -211,3 +217,22 @@ def estimate_inputs(model: str, micro_batch: int | None, seq: int, device: str,
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return spec.num_params(), measure_activations(spec, micro_batch, seq, dev, dtype)
+
+
+def estimate_model_states(num_params: int, stage: int, world_size: int,
+                          param_bytes: int = 2, offload_optimizer: bool = False,
+                          offload_param: bool = False, activations: float = 0.0) -> dict[str, float]:
+    """Bytes per rank on the device and on the host for the model states, plus ``activations``
+    (bytes of one micro-batch's activations, on the device whatever the stage)."""
+    n = max(1, world_size)
+    params = num_params * param_bytes / (n if stage >= 3 else 1)
+    grads = num_params * param_bytes / (n if stage >= 2 else 1)
+    optim = num_params * (12 if param_bytes != 4 else 8) / (n if stage >= 1 else 1)
+    if param_bytes == 4:     # fp32: master is the parameter itself, states are m and v
+        optim = num_params * 8 / (n if stage >= 1 else 1)
+    device = params * (not offload_param) + grads + optim * (not offload_optimizer) + activations
+    host = params * offload_param + optim * offload_optimizer
+    if offload_optimizer:   # the fp32 gradient shard lives next to the optimizer states
+        host += num_params * 4 / (n if stage >= 2 else 1)
+    return {"device": device, "host": host, "params": params, "grads": grads, "optim": optim,
+            "activations": activations}

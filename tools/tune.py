@@ -118,7 +118,7 @@ def config_for(c: Candidate, micro_batch: int, machine: Machine, lr: float, meas
 
 def estimate(c: Candidate, n_params: int, activations: float, machine: Machine) -> None:
     """Fill ``c``'s estimated device, host and disk bytes."""
-    from zeroplug.memory import estimate_model_states
+    from .probe import estimate_model_states
     param_bytes = 2 if machine.device.type == "cuda" else 4
     e = estimate_model_states(n_params, c.stage, 1, param_bytes, c.optimizer != "none", c.param != "none",
                               activations)

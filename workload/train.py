@@ -5,6 +5,7 @@ Config precedence: command line (``--section.key=value``) > file > defaults.
 """
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import sys
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import zeroplug
+import torch.distributed as dist
+
 from zeroplug.errors import StepFailedError, ZeroplugError
 
 #: the packaged default configuration (what ``zeroplug train`` reads without --config or ./zero.toml)
@@ -99,7 +102,6 @@ def cmd_train(args, overrides) -> int:
 
     from zeroplug import config as config_mod
     from zeroplug.checkpoint import directory as checkpoint_dir
-    from zeroplug.comm import init_distributed_from_env
     from zeroplug.engine import initialize, make_run
 
     from .data import ByteBatches, load_text, min_corpus_bytes, stdlib_corpus
@@ -261,3 +263,26 @@ def _resume(engine, directory, choice):
                 f"; no other checkpoint in {directory} verifies: start without --resume, or set another "
                 f"checkpoint.dir" if hasattr(exc, "newest") else "")
         raise ZeroplugError(f"--resume: {exc}{hint}") from None
+
+
+def init_distributed_from_env(device_type: str, timeout: float | None = None) -> bool:
+    """Start the default process group if torchrun's variables are set; True if distributed.
+    ``timeout`` (seconds): how long a collective waits for the other ranks before it fails
+    (torch's default when None)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend, **kw)
+            return True
+        # Note: torchrun's agent serves one store to every attempt of the job, and the keys the
+        # killed attempt's ranks wrote (their addresses) stay in it; a restarted rank may read
+        # a dead peer's address there and fail ("Gloo connectFullMesh failed ... Connection
+        # refused"). A prefix per attempt keeps the attempts apart.
+        store, rank, world = next(dist.rendezvous("env://", **kw))
+        store = dist.PrefixStore(f"zeroplug/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+    return True
