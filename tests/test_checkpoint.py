@@ -1,4 +1,4 @@
-"""Issue F: checkpoints that never lose work.
+"""Checkpoints that never lose work.
 
 Sharded, atomic and verified files; exact resume after SIGKILL for every stage and
 tier; any world size on load (N ranks -> M ranks); a consolidated export that plain

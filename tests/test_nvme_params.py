@@ -1,4 +1,4 @@
-"""Stage 3 parameter shards on "NVMe" beyond max_in_cpu (issue E): training equals the
+"""Stage 3 parameter shards on "NVMe" beyond max_in_cpu: training equals the
 run with parameters in host memory exactly; reads go ahead of use; files are removed."""
 import os
 from pathlib import Path

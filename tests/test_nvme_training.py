@@ -1,5 +1,5 @@
 """Training with the optimizer states on "NVMe" (swap files in a temporary directory)
-equals the in-memory run exactly (issue E), stages 1-3 on 1 and 2 ranks."""
+equals the in-memory run exactly, stages 1-3 on 1 and 2 ranks."""
 import os
 from pathlib import Path
 
@@ -98,7 +98,7 @@ def test_nvme_checkpoint_resume_exact_and_cross_tier(tmp_path):
     assert os.listdir(swap) == []
 
 
-# --- checkpoints stream through one sub-group at a time (issue F) ----------------------------
+# --- checkpoints stream through one sub-group at a time ----------------------------------
 #
 # How host memory is measured: torch's CPU allocator reports every allocation and free to
 # the profiler (profile_memory=True); the running sum of the raw "[memory]" records is the

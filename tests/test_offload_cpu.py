@@ -1,4 +1,4 @@
-"""CPU offload tier (issue D): offload on/off give the same training; the host-memory plan."""
+"""CPU offload tier: offload on/off give the same training; the host-memory plan."""
 import logging
 
 import pytest

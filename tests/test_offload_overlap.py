@@ -1,4 +1,4 @@
-"""The overlapped offload step (issue D): the CPU steps sub-groups on a worker thread while
+"""The overlapped offload step: the CPU steps sub-groups on a worker thread while
 the next forward runs; every parameter and loss equals the serial step's, and an error
 raised in the worker reaches the caller at the next use of the states."""
 import pytest

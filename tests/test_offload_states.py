@@ -1,4 +1,4 @@
-"""offload_states / reload_states / get_state_devices (issue G), on CPU through the nvme
+"""offload_states / reload_states / get_state_devices, on CPU through the nvme
 path (on a CPU run "cpu" is where the states already are); GPU versions in test_gpu.py."""
 import pytest
 import torch

@@ -19,7 +19,7 @@ from .host import HostTier
 
 log = logging.getLogger("zeroplug")
 
-#: gpu_step_ratio = "auto" on a GPU: the share measured best on the H100 machine (docs/benchmarks.md)
+#: gpu_step_ratio = "auto" on a GPU: the share that measured best (docs/benchmarks.md)
 AUTO_GPU_STEP_RATIO = 0.4
 
 
@@ -53,8 +53,7 @@ class CPUOptions:
                 "same values; else fp32.")
     overlap_step: bool = opt(True, "Stage 3: the CPU steps sub-groups on a worker thread while the next "
                                    "forward runs (each unit waits for its own sub-group; the same values "
-                                   "as false). On the H100 machine: 1.3B 0.590 s/step against 0.609-0.645 "
-                                   "serial, 2.7B 1.09 s against 1.22 (docs/benchmarks.md).")
+                                   "as false; docs/benchmarks.md has the step times).")
     overlap_step_threads: int = opt(0, "CPU threads of the overlapped step's kernel; 0 = all of torch's "
                                        "intra-op threads but one, which is left to the training loop.", min=0)
     host_memory_limit_gb: float = opt(0.0, "Fail early if this tier would need more host memory than "

@@ -1,9 +1,8 @@
 """The GPU lane of the cpu tier's optimizer step (``[offload.optimizer] gpu_step_ratio``).
 
 With the cpu tier every fp32 master and Adam moment lives in pinned host memory and
-cpu_adam steps them. The CPU kernel is bound by the bandwidth its cores can pull
-(about 0.25 ns per element on the H100 machine's 15 threads), while the GPU and its
-PCIe link sit idle during the step. The GPU lane takes a share of the sub-groups:
+cpu_adam steps them. The CPU kernel is bound by the memory bandwidth its cores can
+pull, while the GPU and its PCIe link sit idle during the step. The GPU lane takes a share of the sub-groups:
 their master, gradient and moments go H2D in chunks on a side stream, torch's own
 fused AdamW kernel (``torch._fused_adamw_``, what ``torch.optim.AdamW(fused=True)``
 runs) steps them, and master, moments and the model-dtype copy come back D2H (or,
@@ -12,10 +11,9 @@ them). The host only launches copies and kernels; the states never leave host
 memory between steps, so host and GPU memory budgets are those of the cpu tier plus
 ``nbuf`` chunk buffers on the GPU.
 
-Note: the two lanes run at once and share the host's memory bandwidth. Measured on
-the H100 machine (``tests/benchmarks/stream_step_probe.py``): 200M elements take
-0.059 s on the CPU alone and 0.069 s streamed alone; 200M on each lane at once take
-0.092 s, 1.3x the CPU's throughput alone. ``gpu_step_ratio`` is the share of
+Note: the two lanes run at once and share the host's memory bandwidth, so together they
+step well under twice the CPU's elements per second (docs/benchmarks.md has the figures
+of ``tests/benchmarks/stream_step_probe.py``). ``gpu_step_ratio`` is the share of
 elements the GPU lane takes; sub-groups are dealt to the lane that would finish them
 first, so both lanes walk the model in forward order and the next forward (which
 waits for each unit's sub-group) is never held up by one lane running ahead.

@@ -47,8 +47,7 @@ class NVMeOptions:
                                        "accepted with a note, as it changes nothing (default true).")
     block_size: int = opt(1048576, "Bytes per I/O request (DeepSpeed aio.block_size); a multiple of 4096.",
                           min=4096)
-    # Note: 32 x 16 measured on the H100 machine's disk (docs/benchmarks.md): 2.74 GB/s write,
-    # 2.22 read, against 2.12 / 2.01 with 8 x 4 and dd's 1.42 / 1.70 in the same run.
+    # Note: 32 requests over 16 threads beat 8 over 4 in the swapper benchmark (docs/benchmarks.md).
     queue_depth: int = opt(32, "I/O requests in flight per swapper (aio.queue_depth); at most thread_count "
                                "of them are inside the kernel at once.", min=1)
     thread_count: int = opt(16, "I/O worker threads (aio.thread_count, aio.intra_op_parallelism).", min=1,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Does the kind of host memory change cpu_adam's speed? (issue D's in-training slowdown)
+"""Does the kind of host memory change cpu_adam's speed (in training, against alone)?
 
     python tests/benchmarks/cpu_adam_memory.py --n 5e8 --piece 5.03e7 --sub-group 1e8
 
@@ -44,7 +44,7 @@ def alloc(n: int, dtype, kind: str) -> torch.Tensor:
     t.zero_()
     if kind.endswith("reg") and torch.cuda.is_available():
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-        if int(err) != 0:       # seen once on the H100 machine for mmap-ed memory (thp+reg)
+        if int(err) != 0:       # it can fail for mmap-ed memory (thp+reg)
             raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed: {err}")
     return t
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the NVMe figures (the H100 machine): the swapper suite, then training with the
+# One device call for the NVMe figures (a GPU machine with a local NVMe disk): the swapper suite, then training with the
 # optimizer states on NVMe through h100_bench.py (which adds the I/O floor), then a SIGTERM-ed run
 # and the check that the swap directory is left empty. Logs in $OUT (default ./bench_out).
 # Usage: [BIG=1.3B] [NO_DD=1 (skip swapper vs dd)] bash tests/benchmarks/nvme_suite.sh [nvme_path]

@@ -2,8 +2,8 @@
 
     pytest tests/benchmarks/test_bench_cpu_adam.py --benchmark-enable
 
-N elements per tensor: 1M (``smallest``), 4M (``cpu``), 268M (``gpu``: the H100 machine's
-CPU; ``ZEROPLUG_BENCH_N`` overrides). Each row's ``extra_info``: Mparams/s, peak host memory
+N elements per tensor: 1M (``smallest``), 4M (``cpu``), 268M (``gpu``: a GPU
+machine's CPU; ``ZEROPLUG_BENCH_N`` overrides). Each row's ``extra_info``: Mparams/s, peak host memory
 and the ratio to torch's fused AdamW measured in the same run. The one-shot table with the
 memory-bandwidth rooflines is ``python tests/benchmarks/cpu_adam_table.py``.
 """

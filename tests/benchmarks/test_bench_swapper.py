@@ -4,7 +4,7 @@
 
 A round writes then reads back ``GIB`` of random data: ``dd bs=64M oflag=direct`` /
 ``iflag=direct`` (the in-run baseline), then the swapper at its defaults and at the
-session-1 setting (1 MiB blocks, queue depth 8, 4 threads), every read checked against
+smaller setting (1 MiB blocks, queue depth 8, 4 threads), every read checked against
 what was written. 64 MiB (``smallest``), 512 MiB (``cpu``), 4 GiB (``gpu``). Page caches
 are dropped between the write and the read where that is allowed (root). ``extra_info``:
 write and read GB/s (10^9 B/s), the ratio of each to dd's and the peak host memory. The
