@@ -75,7 +75,7 @@ def phases(engine, x, y) -> dict:
         return {}
     t: dict = {}
     part = engine.partitioner
-    lane = getattr(part.offload, "lane", None) if getattr(part, "offload", None) is not None else None
+    lane = getattr(engine.offload_optimizer, "lane", None)      # the cpu tier's GPU lane
     # Note: with the GPU lane, a sync after engine.step() would wait for the lane, which
     # training never does: the step is timed on the host and the lane by its CUDA events.
     step_timer = timed if lane is None else host_timed
@@ -84,7 +84,7 @@ def phases(engine, x, y) -> dict:
     opt = engine.optimizer
     if hasattr(opt, "step_param"):       # the CPU kernels alone (no sync: they run on the host)
         opt.step_param = host_timed(opt.step_param, t, "cpu_adam_kernels")
-    swap = getattr(part, "swap", None)
+    swap = getattr(engine.offload_optimizer, "swap", None)      # the nvme tier's sub-group swap
     if swap is not None:                 # time blocked on NVMe reads / writes
         swap.finish_in = host_timed(swap.finish_in, t, "nvme_wait_read")
         swap.finish_out = host_timed(swap.finish_out, t, "nvme_wait_write")
@@ -106,9 +106,8 @@ def phases(engine, x, y) -> dict:
 def swap_bytes(engine) -> tuple[int, int]:
     """(read, written) bytes issued so far by the engine's NVMe swappers."""
     r = w = 0
-    part = getattr(engine, "partitioner", None)
-    for tier in {id(t): t for t in (getattr(part, "offload_optimizer", None),
-                                    getattr(part, "offload_param", None)) if t is not None}.values():
+    for tier in {id(t): t for t in (getattr(engine, "offload_optimizer", None),
+                                    getattr(engine, "offload_param", None)) if t is not None}.values():
         sw = getattr(tier, "_swapper", None)
         if sw is not None:
             r, w = r + sw.bytes_read, w + sw.bytes_written
@@ -202,12 +201,11 @@ def workload(args) -> dict:
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "rss_gib": host_rss_bytes() / GB,
            "peak_rss_gib": peak_rss() / GB, "times": times}
     if args.baseline is None:
-        off = engine.partitioner.offload
-        grads = getattr(engine.partitioner, "master_grad_flat", None)
-        res["host_grad_dtype"] = str(grads.dtype) if grads is not None else None
-        res["gpu_lane_share"] = (sum(engine.partitioner.master_params()[k].numel() for k in off.lane_groups)
-                                 / max(1, sum(t.numel() for t in engine.partitioner.master_params()))
-                                 if off is not None else 0.0)
+        masters = engine.partitioner.master_params()
+        offloaded = engine.offload_optimizer.capabilities.offloaded
+        res["host_grad_dtype"] = str(masters[0].grad.dtype) if offloaded and masters else None
+        lane = getattr(engine.offload_optimizer, "lane_groups", ())
+        res["gpu_lane_share"] = (sum(masters[k].numel() for k in lane) / max(1, sum(t.numel() for t in masters)))
     if bw is not None:
         rd, wr = moved[-1]
         floor = rd / bw[1] + wr / bw[0]
