@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from zeroplug.errors import StateError
+
 from .files import CheckpointError, ShardSet, atomic_torch_save, read_manifest, resolve, verify
 
 
@@ -91,3 +93,25 @@ def export(load_dir, out_path, tag=None) -> str:
         atomic_torch_save(consolidate(load_dir, tag), out_path)
     return str(out_path)
 
+
+def save_pretrained(engine, save_directory, **kwargs) -> bool:
+    """``engine.save_pretrained``: the whole weights through the Hugging Face model's own
+    ``save_pretrained`` on rank 0 (every rank calls it); True on the rank that wrote."""
+    if not hasattr(engine.module, "save_pretrained"):
+        raise StateError(f"engine.save_pretrained: {type(engine.module).__name__} has no save_pretrained "
+                         "(not a Hugging Face model); use engine.save_16bit_model(path)")
+    sd = engine.consolidated_state_dict()
+    if sd is not None:
+        engine.module.save_pretrained(save_directory, state_dict=sd, **kwargs)
+    engine.run.comm.barrier()
+    return sd is not None
+
+
+def save_16bit_model(engine, path) -> bool:
+    """``engine.save_16bit_model``: the consolidated model-dtype state dict, written atomically
+    by rank 0 (every rank calls it); True on the rank that wrote."""
+    sd = engine.consolidated_state_dict()
+    if sd is not None:
+        atomic_torch_save(sd, path)
+    engine.run.comm.barrier()
+    return sd is not None

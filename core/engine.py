@@ -271,23 +271,13 @@ class Engine:
     def save_pretrained(self, save_directory, **kwargs) -> bool:
         """``module.save_pretrained(save_directory, state_dict=<whole weights>)`` on rank 0, for
         Hugging Face (and peft) models: a folder ``from_pretrained`` loads. Every rank calls it."""
-        if not hasattr(self.module, "save_pretrained"):
-            raise StateError(f"engine.save_pretrained: {type(self.module).__name__} has no save_pretrained "
-                             "(not a Hugging Face model); use engine.save_16bit_model(path)")
-        sd = self.consolidated_state_dict()
-        if sd is not None:
-            self.module.save_pretrained(save_directory, state_dict=sd, **kwargs)
-        self.run.comm.barrier()
-        return sd is not None
+        from .checkpoint.exporting import save_pretrained
+        return save_pretrained(self, save_directory, **kwargs)
 
     def save_16bit_model(self, path) -> bool:
         """Write the consolidated model-dtype state dict to ``path`` from rank 0."""
-        from .checkpoint import atomic_torch_save
-        sd = self.consolidated_state_dict()
-        if sd is not None:
-            atomic_torch_save(sd, path)
-        self.run.comm.barrier()
-        return sd is not None
+        from .checkpoint.exporting import save_16bit_model
+        return save_16bit_model(self, path)
 
     # -- offload_states / reload_states ---------------------------------------------
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True,

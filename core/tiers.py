@@ -2,33 +2,15 @@
 
 The stage owns the layout (units, shards, sub-groups), the reductions, the gathers and
 their order. The tier owns where states live between uses and how they move. They meet
-only through the records and methods below; a tier never reads the stage's objects and
-the stage never reads a tier's options.
+only through the records and methods below, each documented where it is defined (and as
+a table in docs/plugins.md, "Writing an offload tier"); a tier never reads the stage's
+objects and the stage never reads a tier's options.
 
 An :class:`OffloadTier` fills ``[offload.optimizer]`` (kind ``"optimizer"``: fp32 masters,
 their gradients and the optimizer's states) or ``[offload.param]`` (kind ``"param"``,
-stage 3: the model-dtype parameter shards). The stage calls, for kind "optimizer"::
-
-    plan(layout)                        once, after laying out the units
-    grad_ready(unit, src, accumulate)   backward: a unit's reduced gradient shard exists
-    grads_landed()                      every gradient handed over is in place
-    step(optimizer)                     every sub-group: acquire, optimizer step, publish, release
-    wait(k) / ready(k)                  stage 3: before a unit of sub-group k is gathered
-    wait_all()                          before anything reads the states outside a step
-    export(k, optimizer) / import_(k, optimizer)   checkpoints, one sub-group at a time
-
-for kind "param"::
-
-    plan(layout)                        once: the shards the tier holds
-    fetch(u) / prefetch(u)              before a shard is uploaded and gathered
-    evict(u, after)                     the unit was released
-    update(u)                           new values for a shard (the optimizer's publish)
-    absent(u) / all_in()                checkpoints
-
-and for both ``stash`` / ``unstash`` (``engine.offload_states``) and ``close``. The base
-class implements each of them the simple way (every state in this tier's memory, every copy
-synchronous), so a tier overrides only what it does differently. The built-in "cpu" and
-"nvme" tiers override the step to pipeline it; docs/plugins.md shows a tier of one's own.
+stage 3: the model-dtype parameter shards). The base class implements every method the
+simple way (every state in the tier's memory, every copy synchronous), so a tier overrides
+only what it does differently; the built-in "cpu" and "nvme" tiers pipeline the step.
 """
 from __future__ import annotations
 
