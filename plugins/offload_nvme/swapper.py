@@ -58,39 +58,12 @@ from .swapdir import _LIVE, _LIVE_LOCK, _install_handlers, _make_run_dir, check_
 # Re-exported, so that everything stays importable from this module:
 from .errors import SwapIOError, SwapMemoryError, SwapPathError, SwapSpaceError  # noqa: F401
 from .swapdir import DIR_PREFIX, _atexit, _cleanup_all  # noqa: F401
+from .swapfuture import SwapFuture
 from .swapplan import SwapPlan, plan  # noqa: F401
 
 log = logging.getLogger("zeroplug")
 
 PIECE = 16 << 20                      # a write starts its requests after each PIECE bytes copied
-
-
-# --- futures -------------------------------------------------------------------------------
-
-class SwapFuture:
-    """The result of :meth:`AsyncSwapper.write` / :meth:`AsyncSwapper.read`."""
-
-    def __init__(self, fut: _CFuture, key: Hashable, nbytes: int, owner: "AsyncSwapper"):
-        self._fut, self.key, self.nbytes, self._owner = fut, key, nbytes, owner
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until done; raises the transfer's :class:`SwapError` (once seen here,
-        :meth:`AsyncSwapper.wait_all` does not raise it again)."""
-        try:
-            self._fut.result(timeout)
-        except BaseException:
-            if self._fut.done():
-                self._owner._seen(self._fut)
-            raise
-
-    def done(self) -> bool:
-        return self._fut.done()
-
-    def exception(self, timeout: float | None = None):
-        return self._fut.exception(timeout)
-
-    def __repr__(self) -> str:
-        return f"SwapFuture({self.key!r}, {self.nbytes} bytes, {'done' if self.done() else 'pending'})"
 
 
 _WARNED_BUFFERED = False
