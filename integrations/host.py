@@ -1,0 +1,307 @@
+"""What the Trainer and Lightning adapters share: a zeroplug engine driven by a host loop.
+
+A host loop (``transformers.Trainer``, Lightning) owns the data, the schedule, logging and
+checkpoint timing; the engine owns the parameters, the gradients and the optimizer step.
+This module holds the pieces both adapters need:
+
+* :func:`load_raw` — ``zeroplug_config`` (a path, a dict, a DeepSpeed JSON) as a raw dict.
+* :func:`reconcile` — one source of truth: values the host loop decides (learning rate,
+  accumulation, clipping, precision, ...) fill the config where it leaves them out or
+  ``"auto"``; a value given in both places and different is refused, naming both.
+* :func:`build_engine` — the engine, with its learning rate read from the host's optimizer
+  each step (the host's scheduler drives it), over torch-style parameter groups.
+* :class:`HostOptimizer` — the optimizer object the host loop holds: its ``param_groups``
+  carry the scheduled learning rates; its ``step`` and ``zero_grad`` leave the work to the
+  engine.
+* :func:`backward_and_step` — the backward of a loss the host already divided by its
+  accumulation steps, then ``engine.step()`` (a no-op until the window's last micro-batch).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import zeroplug
+from zeroplug.config import Config, read_file
+from zeroplug.errors import ConfigError
+from zeroplug.hookspecs import hookimpl
+from zeroplug.slots import Scheduler
+
+log = logging.getLogger("zeroplug")
+
+AUTO = "auto"
+#: the scheduler implementation registered for engines that a host loop drives
+HOST_SCHEDULE = "host"
+#: top-level keys that only a DeepSpeed config has (zeroplug's own layout has none of them)
+_DEEPSPEED_KEYS = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
+                   "gradient_accumulation_steps", "gradient_clipping", "fp16", "bf16", "steps_per_print",
+                   "wall_clock_breakdown", "zero_allow_untested_optimizer", "aio"}
+
+
+# --- the config ------------------------------------------------------------------------
+
+def _is_deepspeed(d: dict) -> bool:
+    if _DEEPSPEED_KEYS & set(d):
+        return True
+    return any(isinstance(d.get(k), dict) and "type" in d[k] for k in ("optimizer", "scheduler"))
+
+
+def load_raw(source, host_precision: str | None = None) -> dict:
+    """``source`` (None, a TOML or DeepSpeed JSON path, a dict in either layout, or a
+    :class:`zeroplug.Config`) as a raw dict in zeroplug's layout.
+
+    ``host_precision`` ("fp32", "bf16", "fp16") resolves a DeepSpeed ``"enabled": "auto"``
+    in its ``fp16`` / ``bf16`` sections, as the Hugging Face integration of DeepSpeed does."""
+    if source is None:
+        return {}
+    if isinstance(source, Config):
+        return copy.deepcopy(source.raw)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.suffix != ".json" or not path.is_file():
+            return read_file(path)          # TOML, or a clear error for a missing file
+        try:
+            source = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(source, dict):
+        raise ConfigError(f"zeroplug_config must be a path, a dict or a zeroplug Config, "
+                          f"got {type(source).__name__}")
+    if not _is_deepspeed(source):
+        return copy.deepcopy(source)
+    from zeroplug.convert import from_deepspeed
+    ds = copy.deepcopy(source)
+    for key in ("fp16", "bf16"):
+        section = ds.get(key)
+        if isinstance(section, dict) and section.get("enabled") == AUTO:
+            section["enabled"] = host_precision == key
+    return from_deepspeed(ds)
+
+
+@dataclass(frozen=True)
+class Given:
+    """A value the host loop decides: ``path`` in the zeroplug config, ``name`` in the host's
+    terms. ``accepts``: config values that mean the same (default: only ``value``)."""
+    path: str
+    value: Any
+    name: str
+    accepts: tuple = ()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def reconcile(raw: dict, given: list[Given], source: str = "zeroplug_config") -> dict:
+    """``raw`` with each host value filled in where the config leaves it out or ``"auto"``.
+
+    A value set in both places and different raises a :class:`ConfigError` naming both."""
+    out = copy.deepcopy(raw)
+    for g in given:
+        table_path, key = g.path.rsplit(".", 1)
+        table = out
+        for part in table_path.split("."):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: [{table_path}] must be a table", key=table_path)
+        current = table.get(key, AUTO)
+        if isinstance(current, str) and current == AUTO:
+            table[key] = g.value
+        elif not (_same(current, g.value) or any(_same(current, a) for a in g.accepts)):
+            raise ConfigError(
+                f"{source} sets {g.path} = {current!r} but {g.name} = {g.value!r}; give it in one "
+                f"place (remove {g.path} from {source}, set it to \"auto\", or change {g.name})", key=g.path)
+    return out
+
+
+def drop_auto_schedule(raw: dict, host_schedule: str, source: str = "zeroplug_config") -> dict:
+    """The host loop's scheduler drives the learning rate: a ``[scheduler]`` table whose
+    options are all ``"auto"`` (a DeepSpeed JSON written for the Hugging Face Trainer) is
+    dropped with a warning; any other is refused, naming the host's schedule."""
+    table = raw.get("scheduler")
+    if not table:
+        return raw
+    options = {k: v for k, v in table.items() if k != "plugin"}
+    if options and all(v == AUTO for v in options.values()):
+        log.warning("[zeroplug] %s names the schedule %r with every option \"auto\": %s drives the "
+                    "learning rate instead", source, table.get("plugin"), host_schedule)
+        raw = dict(raw)
+        del raw["scheduler"]
+        return raw
+    raise ConfigError(f"{source} [scheduler] (plugin = {table.get('plugin', 'none')!r}) and {host_schedule} "
+                      f"both set the learning-rate schedule; remove [scheduler] from {source}: "
+                      f"{host_schedule} drives it", key="scheduler.plugin")
+
+
+# --- the optimizer the host loop sees --------------------------------------------------------
+
+class HostOptimizer(torch.optim.Optimizer):
+    """The optimizer a host loop holds when the engine does the optimizer step.
+
+    Its ``param_groups`` are the host's view (parameters, scheduled ``lr``, hyper-parameters):
+    the host's scheduler writes into them and the engine reads the learning rate back each
+    step. ``step()`` only runs a closure; ``zero_grad()`` does nothing (the engine zeroes its
+    gradients after each step). ``step_was_skipped`` is True after an fp16 step skipped for
+    overflow, so a host that asks does not advance its schedule."""
+
+    def __init__(self, engine, param_groups: list[dict]):
+        super().__init__(param_groups, {})
+        self.engine = engine
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(getattr(self.engine, "last_metrics", {}).get("skipped", False))
+
+
+def _host_schedule_plugin(lr_source: Callable[[], float]):
+    class HostSchedule(Scheduler):
+        """The learning rate the host loop's scheduler last set (read at each step)."""
+        @dataclass(frozen=True)
+        class Options:
+            pass
+
+        def lr_at(self, step: int) -> float:
+            lr = lr_source()
+            return self.base_lr if lr is None else float(lr)
+
+    class Plugin:
+        @hookimpl
+        def zeroplug_register_schedulers(self, register):
+            register(HOST_SCHEDULE, HostSchedule)
+
+    return Plugin()
+
+
+def _group_options(groups: list[dict]) -> set[str]:
+    return {k for g in groups for k in g if k != "params"}
+
+
+def build_engine(module: torch.nn.Module, raw: dict, groups: list[dict] | None,
+                 lr_source: Callable[[], float | None], device=None):
+    """``zeroplug.initialize`` for a host loop: the config ``raw`` with the host schedule in
+    the ``[scheduler]`` slot (``lr_source()`` is read at every optimizer step; None: the
+    configured ``optimizer.lr``), over the torch-style parameter ``groups``."""
+    from zeroplug.registry import PluginManager
+    pm = PluginManager()
+    pm.register(_host_schedule_plugin(lr_source), "host_schedule")
+    raw = {**raw, "scheduler": {"plugin": HOST_SCHEDULE}}
+    if groups is not None:
+        groups = [g for g in groups if g["params"]]
+    if "model_parameters" in inspect.signature(zeroplug.initialize).parameters:
+        return zeroplug.initialize(module, raw, device=device, plugin_manager=pm, model_parameters=groups)
+    if groups and _group_options(groups) - {"lr"} and len(groups) > 1:
+        options = sorted(_group_options(groups))
+        if any(len({repr(g.get(k)) for g in groups}) > 1 for k in options):
+            raise NotImplementedError(
+                f"parameter groups with different {', '.join(options)} need "
+                "zeroplug.initialize(model_parameters=...)")
+    return zeroplug.initialize(module, raw, device=device, plugin_manager=pm)
+
+
+def backward_and_step(engine, loss: torch.Tensor, boundary: bool | None = None) -> None:
+    """Backward of ``loss`` as the host loop computed it (already divided by its accumulation
+    steps), then ``engine.step()``, which steps the optimizer at the window's last micro-batch.
+
+    ``boundary``: the host's word on whether this micro-batch ends the window (True for the
+    last, shorter window of an epoch); None trusts the engine's count."""
+    if boundary and not engine.is_gradient_accumulation_boundary():
+        end_window_now(engine)
+    if "scale_wrt_gas" in inspect.signature(engine.backward).parameters:
+        engine.backward(loss, scale_wrt_gas=False)
+    else:
+        # Note: engine.backward divides by gradient_accumulation_steps; the host already did.
+        gas = engine.gradient_accumulation_steps
+        engine.backward(loss * gas if gas > 1 else loss)
+    engine.step()
+
+
+def end_window_now(engine) -> None:
+    """Make the coming micro-batch the last of its accumulation window."""
+    if hasattr(engine, "set_gradient_accumulation_boundary"):
+        engine.set_gradient_accumulation_boundary(True)
+        return
+    gas = engine.gradient_accumulation_steps
+    engine.micro_step += gas - 1 - engine.micro_step % gas
+
+
+# --- torch optimizers as zeroplug's ------------------------------------------------------------
+
+#: torch optimizer class -> (zeroplug optimizer plugin, the hyper-parameters it maps)
+_TORCH_OPTIMIZERS = {
+    torch.optim.AdamW: ("adamw", ("lr", "betas", "eps", "weight_decay", "amsgrad")),
+    torch.optim.Adam: ("adam", ("lr", "betas", "eps", "weight_decay", "amsgrad")),
+    torch.optim.SGD: ("sgd", ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+}
+#: hyper-parameters that choose a kernel, not the arithmetic (zeroplug picks its own)
+_KERNEL_FLAGS = {"foreach", "fused", "capturable", "differentiable"}
+#: zeroplug optimizers that compute what each torch class computes
+COMPATIBLE = {"adamw": ("adamw", "cpu_adam", "auto"), "adam": ("adam",), "sgd": ("sgd",)}
+
+
+def _plain(v):
+    if torch.is_tensor(v):
+        return v.item() if v.numel() == 1 else [x.item() for x in v]
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v
+
+
+def torch_optimizer_spec(optimizer: torch.optim.Optimizer, where: str) -> tuple[str, dict, list[dict]]:
+    """``(plugin, defaults, groups)`` for a torch AdamW, Adam or SGD: the zeroplug optimizer,
+    its options, and the parameter groups with the options that differ per group.
+    Anything else is refused (``where`` names where it came from)."""
+    cls = type(optimizer)
+    if cls not in _TORCH_OPTIMIZERS:
+        raise ConfigError(f"{where} returned {cls.__module__}.{cls.__qualname__}; zeroplug steps "
+                          f"torch.optim.AdamW, Adam or SGD (mapped to its own adamw, adam, sgd). Return "
+                          f"one of those, or set [optimizer] in the zeroplug config and return none")
+    plugin, keys = _TORCH_OPTIMIZERS[cls]
+    defaults = optimizer.defaults
+    if cls is torch.optim.Adam and defaults.get("decoupled_weight_decay"):
+        plugin = "adamw"
+    for key, value in defaults.items():
+        if key in keys or key in _KERNEL_FLAGS or key == "decoupled_weight_decay" or value in (False, None):
+            continue
+        raise ConfigError(f"{where}: {cls.__name__}({key}={value!r}) has no zeroplug equivalent; "
+                          f"remove it", key=f"optimizer.{key}")
+    options = {k: _plain(defaults[k]) for k in keys if k in defaults}
+    groups = []
+    for group in optimizer.param_groups:
+        own = {k: _plain(group[k]) for k in keys if k in group and not _same(_plain(group[k]), options.get(k))}
+        groups.append({"params": list(group["params"]), **own})
+    return plugin, options, groups
+
+
+def optimizer_givens(plugin: str, options: dict, name: str) -> list[Given]:
+    """The config entries an optimizer object decides, for :func:`reconcile`."""
+    out = [Given("optimizer.plugin", plugin, f"{name} (torch {plugin})", accepts=COMPATIBLE[plugin])]
+    for key, value in options.items():
+        if key == "amsgrad" and not value:
+            continue            # the default of both; cpu_adam has no such option set
+        out.append(Given(f"optimizer.{key}", value, f"{name} {key}"))
+    return out
