@@ -202,19 +202,23 @@ def _group_options(groups: list[dict]) -> set[str]:
 
 
 def build_engine(module: torch.nn.Module, raw: dict, groups: list[dict] | None,
-                 lr_source: Callable[[], float | None], device=None):
-    """``zeroplug.initialize`` for a host loop: the config ``raw`` with the host schedule in
-    the ``[scheduler]`` slot (``lr_source()`` is read at every optimizer step; None: the
-    configured ``optimizer.lr``), over the torch-style parameter ``groups``."""
+                 lr_source: Callable[[], float | None] | None, device=None):
+    """``zeroplug.initialize`` for a host loop over the torch-style parameter ``groups``.
+
+    With ``lr_source`` the host's scheduler drives the learning rate: the ``[scheduler]``
+    slot reads ``lr_source()`` at every optimizer step (None: the configured
+    ``optimizer.lr``). Without it, the config's own ``[scheduler]`` does."""
     from zeroplug.registry import PluginManager
-    pm = PluginManager()
-    pm.register(_host_schedule_plugin(lr_source), "host_schedule")
-    raw = {**raw, "scheduler": {"plugin": HOST_SCHEDULE}}
+    pm = None
+    if lr_source is not None:
+        pm = PluginManager()
+        pm.register(_host_schedule_plugin(lr_source), "host_schedule")
+        raw = {**raw, "scheduler": {"plugin": HOST_SCHEDULE}}
     if groups is not None:
         groups = [g for g in groups if g["params"]]
     if "model_parameters" in inspect.signature(zeroplug.initialize).parameters:
         return zeroplug.initialize(module, raw, device=device, plugin_manager=pm, model_parameters=groups)
-    if groups and _group_options(groups) - {"lr"} and len(groups) > 1:
+    if groups and len(groups) > 1:
         options = sorted(_group_options(groups))
         if any(len({repr(g.get(k)) for g in groups}) > 1 for k in options):
             raise NotImplementedError(
