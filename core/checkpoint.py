@@ -188,7 +188,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     save_dir = Path(save_dir)
     client_state = {} if client_state is None else client_state
     tag = str(tag) if tag is not None else f"global_step{engine.global_step}"
-    if engine.micro_step % engine.gradient_accumulation_steps:
+    if engine.micro_steps_in_window:
         log.warning("[zeroplug] save_checkpoint in the middle of gradient accumulation (micro step %d): "
                     "the gradients accumulated so far are not saved", engine.micro_step)
 

@@ -55,7 +55,9 @@ def make_run(config=None, overrides=None, device=None, plugin_manager=None):
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config=None, overrides=None, device=None,
-                 plugin_manager=None):
+                 plugin_manager=None, model_parameters=None):
+        from .param_groups import param_groups
+        groups = param_groups(model, model_parameters)
         cfg, run, pm = make_run(config, overrides, device, plugin_manager)
         self.config, self.run, self.plugin_manager = cfg, run, pm
         self.hook = pm.hook
@@ -69,9 +71,13 @@ class Engine:
         self.offload_optimizer = build("offload.optimizer", "optimizer")
         self.offload_param = build("offload.param", "param")
         self.partitioner = build("zero")
-        self.partitioner.setup(model, self.precision, self.offload_optimizer, self.offload_param)
+        self.partitioner.setup(model, self.precision, self.offload_optimizer, self.offload_param,
+                               groups=groups)
         factory = build("optimizer")
         self.optimizer = factory.build(self.partitioner.optimizer_params(), self.offload_optimizer.device)
+        # a group's own lr follows the schedule in proportion (as torch's LR schedulers do)
+        base = factory.lr or 1.0
+        self._lr_scale = [g["lr"] / base for g in self.optimizer.param_groups]
         self.scheduler = build("scheduler", factory.lr)
         self.monitors = [build("monitor")]
 
@@ -80,7 +86,9 @@ class Engine:
         self.gradient_accumulation_steps = b.gradient_accumulation_steps
         self.train_batch_size = b.train_batch_size
         self.global_step = 0          # optimizer steps, taken or skipped (DeepSpeed's global_steps)
-        self.micro_step = 0
+        self.micro_step = 0           # backward calls
+        self.micro_steps_in_window = 0              # backward calls since the last optimizer step
+        self._stepped_since_backward = True
         self.skipped_steps = 0
         self.lr_step = 0              # steps taken: what the schedule counts
         self.tokens_per_sample: int | None = None
@@ -96,35 +104,48 @@ class Engine:
     # -- the training step -------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
         self._require_states("forward")
-        if self.tokens_per_sample is None and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
-            self.tokens_per_sample = int(inputs[0].shape[1])
+        if self.tokens_per_sample is None:
+            first = kwargs.get("input_ids", inputs[0] if inputs else None)
+            if torch.is_tensor(first) and first.dim() >= 2:
+                self.tokens_per_sample = int(first.shape[1])
         self.partitioner.before_forward()
         return self.module(*inputs, **kwargs)
 
     forward = __call__
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
+        """Whether the backward of this micro-step closes the accumulation window (asked
+        after ``backward`` and before ``step``: whether the one just taken did)."""
+        if not self._stepped_since_backward:
+            return self.micro_steps_in_window >= self.gradient_accumulation_steps
+        return self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Note: the accumulation window counts backward calls, so ``step()`` may be called
+        after every micro-batch (DeepSpeed's loop; it steps at the boundary) or only at the
+        boundary (the plain PyTorch loop); either way one optimizer step per window."""
         self._require_states("backward")
         if self._last_step_end is None:
             self._last_step_end = time.perf_counter()
-        self.run.at_boundary = self.is_gradient_accumulation_boundary()
-        self.run.first_micro_step = self.micro_step % self.gradient_accumulation_steps == 0
+        gas = self.gradient_accumulation_steps
+        self.run.at_boundary = self.micro_steps_in_window + 1 >= gas
+        self.run.first_micro_step = self.micro_steps_in_window == 0
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         d = loss.detach().float()
         self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
         self.partitioner.before_backward()
         self.precision.scale_loss(scaled).backward()
+        self.micro_step += 1
+        self.micro_steps_in_window += 1
+        self._stepped_since_backward = False
 
     def step(self) -> None:
-        """Call after every ``backward``; steps the optimizer at the accumulation boundary."""
+        """Steps the optimizer once the accumulation window is complete; a no-op before."""
         self._require_states("step")
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_step += 1
-        if not boundary:
+        self._stepped_since_backward = True
+        if self.micro_steps_in_window < self.gradient_accumulation_steps:
             return
+        self.micro_steps_in_window = 0
         self.hook.zeroplug_step_begin(engine=self)
         part = self.partitioner
         part.finish_gradients()
@@ -164,8 +185,8 @@ class Engine:
         self._report(norm, lr, overflow)
 
     def _set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        for g, scale in zip(self.optimizer.param_groups, self._lr_scale):
+            g["lr"] = lr * scale
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -212,12 +233,31 @@ class Engine:
         return self.module.parameters()
 
     def zero_grad(self) -> None:
-        self.partitioner.zero_grad()
+        """Harmless: gradients are zeroed after every optimizer step already."""
+        if self.micro_steps_in_window == 0:
+            self.partitioner.zero_grad()
+
+    def gathered_parameters(self):
+        """Context in which every parameter holds its whole value (stage 3 gathers them;
+        every rank must enter it). ``module.state_dict()`` works inside."""
+        return self.partitioner.gathered_params()
 
     def consolidated_state_dict(self) -> dict | None:
         """The full model state dict (model dtype) on rank 0; None on the other ranks."""
         self.partitioner.release_all()
         return self.partitioner.consolidated_state_dict(self.module)
+
+    def save_pretrained(self, save_directory, **kwargs) -> bool:
+        """``module.save_pretrained(save_directory, state_dict=<whole weights>)`` on rank 0, for
+        Hugging Face (and peft) models: a folder ``from_pretrained`` loads. Every rank calls it."""
+        if not hasattr(self.module, "save_pretrained"):
+            raise StateError(f"engine.save_pretrained: {type(self.module).__name__} has no save_pretrained "
+                             "(not a Hugging Face model); use engine.save_16bit_model(path)")
+        sd = self.consolidated_state_dict()
+        if sd is not None:
+            self.module.save_pretrained(save_directory, state_dict=sd, **kwargs)
+        self.run.comm.barrier()
+        return sd is not None
 
     def save_16bit_model(self, path) -> bool:
         """Write the consolidated model-dtype state dict to ``path`` from rank 0."""
@@ -284,10 +324,11 @@ class Engine:
 
 
 def initialize(model: torch.nn.Module, config=None, overrides=None, device=None,
-               plugin_manager=None) -> Engine:
+               plugin_manager=None, model_parameters=None) -> Engine:
     """Wrap ``model`` for training. ``config``: a path (TOML, or DeepSpeed JSON), a dict,
-    a :class:`zeroplug.config.Config` or None (defaults); ``overrides``: ``["zero.plugin=stage2"]``."""
-    return Engine(model, config, overrides, device, plugin_manager)
+    a :class:`zeroplug.config.Config` or None (defaults); ``overrides``: ``["zero.plugin=stage2"]``;
+    ``model_parameters``: torch-style parameter groups (or parameters), as for torch.optim.AdamW."""
+    return Engine(model, config, overrides, device, plugin_manager, model_parameters)
 
 
 @contextmanager

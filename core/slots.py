@@ -148,7 +148,7 @@ class Partitioner:
 
     The engine calls, per optimizer step::
 
-        setup(module, precision, offload_optimizer, offload_param)      # once
+        setup(module, precision, offload_optimizer, offload_param, groups)   # once
         ... forward / backward (the partitioner's hooks do the reductions) ...
         finish_gradients()          # wait for reductions; master .grad ready
         grad_norm_sq()              # global squared norm of the master grads
@@ -165,7 +165,11 @@ class Partitioner:
         self.options, self.run = options, run
 
     def setup(self, module: torch.nn.Module, precision: Precision,
-              offload_optimizer: OffloadDevice, offload_param: OffloadDevice) -> None:
+              offload_optimizer: OffloadDevice, offload_param: OffloadDevice, groups=None) -> None:
+        """Lay out ``module``'s parameters. ``groups`` (:class:`zeroplug.param_groups.ParamGroups`)
+        says which parameter group each trainable parameter is in; ``optimizer_params`` returns
+        one torch param group per group with its settings. Parameters with
+        ``requires_grad=False`` are never stepped, and integer ones keep their dtype."""
         raise NotImplementedError
 
     def master_params(self) -> list[torch.Tensor]:

@@ -223,9 +223,11 @@ def export_state(part, optimizer=None, parts=None) -> dict:
         if optimizer is not None and optimizer.param_groups:    # hyper-parameters: the same in every group
             out["optim_groups"] = [{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}]
     if run.rank == 0:
-        canon = _canonical(part)
+        # Note: frozen parameters that stage 3 shards are not saved: they come from the model
+        # as it is built (from_pretrained); the checkpoint holds what training changes.
+        laid_out = {id(p) for u in getattr(part, "all_units", part.units) for p in u.params}
         for k, v in part.module.state_dict(keep_vars=True).items():
-            if id(v) in canon:
+            if id(v) in laid_out:
                 continue
             if torch.is_tensor(v):
                 out["extras"][k] = v.detach()

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from zeroplug.errors import StateError
 from zeroplug.flat import FlatLayout, sub_group_ranges
+from zeroplug.param_groups import ParamGroups
 from zeroplug.slots import Partitioner
 
 from .options import ZeroOptions
@@ -43,9 +45,12 @@ class FlatPartitioner(Partitioner):
     shard_params = False
 
     # -- setup ----------------------------------------------------------------------
-    def setup(self, module, precision, offload_optimizer, offload_param):
+    def setup(self, module, precision, offload_optimizer, offload_param, groups: ParamGroups | None = None):
         run = self.run
         self.module, self.precision, self.comm = module, precision, run.comm
+        self.groups = groups or ParamGroups({})
+        # which parameters train: fixed for the engine's life (checked before each backward)
+        self._trainability = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self.device = run.device
         self.pdtype, self.rdtype = precision.param_dtype, precision.reduce_dtype
         self.layout_world = run.world_size if self.shard_optimizer else 1
@@ -56,9 +61,20 @@ class FlatPartitioner(Partitioner):
         self.bucket_size = h * h if o.reduce_bucket_size == "auto" else o.reduce_bucket_size
         self._pending: list = []       # (unit, handle, out) reductions in flight
         self._prepare_module(module)
-        groups = self._group_params(module)
-        self.units = [self._make_unit(i, g) for i, g in enumerate(groups)]
-        self.unit_of = {p: u for u in self.units for p in u.params}
+        self.all_units = [self._make_unit(i, g) for i, g in enumerate(self._group_params(module))]
+        for u in self.all_units:
+            u.group = self.groups.index(u.params[0])
+        # Note: frozen (requires_grad=False) parameters are never in a trainable unit: no
+        # master, no optimizer state, no reduction, no weight decay. Below stage 3 they are
+        # in no unit at all; stage 3 shards them in units of their own (all_units).
+        self.units = [u for u in self.all_units if u.trainable]
+        self.unit_of = {p: u for u in self.all_units for p in u.params}
+        # Note: with several ranks, reductions are launched in one fixed order (the reverse
+        # of the layout, which is the order backward usually produces gradients), so that
+        # ranks whose graphs differ (mixture-of-experts routing, unused branches) still
+        # pair every collective with the same unit's on the other ranks.
+        self._reduce_order = self.units[::-1]
+        self._next_reduce = 0
         self._make_masters()
         self.offload = None
         self.swap = None
@@ -73,22 +89,27 @@ class FlatPartitioner(Partitioner):
                        for u in self.units for p in u.trainable]
 
     def _prepare_module(self, module):
-        for p in module.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(self.device, self.pdtype)
+        for name, p in module.named_parameters():
+            _check_materialized(name, p)
+            # Note: integer parameters keep their dtype and bits; frozen floating-point ones
+            # take the model dtype like every other weight the forward reads.
+            p.data = p.data.to(self.device, self.pdtype) if p.is_floating_point() else p.data.to(self.device)
         for b in module.buffers():
             b.data = b.data.to(self.device)
 
     def _group_params(self, module) -> list[list[torch.nn.Parameter]]:
-        """Consecutive trainable parameters in buckets of at most ``bucket_size`` elements."""
-        groups, cur, n = [], [], 0
+        """Consecutive trainable parameters in buckets of at most ``bucket_size`` elements,
+        a new bucket where the parameter group changes."""
+        groups, cur, n, key = [], [], 0, None
         for p in module.parameters():     # deduplicated: tied weights appear once
             if not p.requires_grad:
                 continue
-            if cur and n + p.numel() > self.bucket_size:
+            k = self.groups.index(p)
+            if cur and (n + p.numel() > self.bucket_size or k != key):
                 groups.append(cur)
                 cur, n = [], 0
             cur.append(p)
+            key = k
             n += p.numel()
         if cur:
             groups.append(cur)
@@ -102,7 +123,8 @@ class FlatPartitioner(Partitioner):
         unit.bind_params()
         if not self.shard_grads:      # persistent flat gradients; .grad are views
             unit.grad_flat = torch.zeros_like(full)
-            for p, g in zip(params, layout.views(unit.grad_flat)):
+            unit.grad_views = layout.views(unit.grad_flat)
+            for p, g in zip(params, unit.grad_views):
                 p.grad = g
         return unit
 
@@ -116,6 +138,7 @@ class FlatPartitioner(Partitioner):
                 u.master.grad = (u.grad_flat[u.lo:u.hi] if not self.shard_grads
                                  else torch.zeros_like(u.shard))
             self._master_list = [u.master for u in self.units]
+            self._master_group = [u.group for u in self.units]
             return
         total = sum(u.hi - u.lo for u in self.units)
         if getattr(tier, "swaps_states", False):
@@ -136,8 +159,9 @@ class FlatPartitioner(Partitioner):
             _set_grad(u.master, self.master_grad_flat[off:off + n])
             off += n
         self._master_list = []
-        self.sub_group_ranges = (self._unit_aligned_ranges() if self.offloaded
+        self.sub_group_ranges = (self._unit_aligned_ranges() if self.offloaded or not self.groups.plain
                                  else sub_group_ranges(total, self.options.sub_group_size))
+        self._master_group = self._range_groups(self.sub_group_ranges)
         for a, b in self.sub_group_ranges:
             t = self.master_flat[a:b]
             _set_grad(t, self.master_grad_flat[a:b])
@@ -161,14 +185,26 @@ class FlatPartitioner(Partitioner):
             return torch.float32
         return self.pdtype
 
+    def _range_groups(self, ranges) -> list[int]:
+        """The parameter group of each master range (unit-aligned ranges hold one group)."""
+        starts, off = [], 0
+        for u in self.units:
+            starts.append((off, u.group))
+            off += u.hi - u.lo
+        out = []
+        for a, _ in ranges:
+            out.append(next((g for o, g in reversed(starts) if o <= a), 0))
+        return out
+
     def _unit_groups(self) -> list[list[Unit]]:
         """Offloaded sub-groups: consecutive whole units up to sub_group_size elements (a
         larger unit is a sub-group of its own), the same for every tier, so that moving
-        the optimizer between tiers changes no arithmetic."""
+        the optimizer between tiers changes no arithmetic; a parameter group never shares
+        a sub-group with another."""
         groups, cur, n = [], [], 0
         for u in self.units:
             size = u.hi - u.lo
-            if cur and n + size > self.options.sub_group_size:
+            if cur and (n + size > self.options.sub_group_size or u.group != cur[-1].group):
                 groups.append(cur)
                 cur, n = [], 0
             cur.append(u)
@@ -210,6 +246,7 @@ class FlatPartitioner(Partitioner):
             self._master_list.append(t)
             self.sub_group_ranges.append((off, off + size))
             off += size
+        self._master_group = [g[0].group for g in groups]
 
     def master_params(self):
         return self._master_list
@@ -217,28 +254,70 @@ class FlatPartitioner(Partitioner):
     def optimizer_params(self):
         """What the optimizer is built over: one param group per sub-group when offloaded,
         so the offload path can step (and publish) sub-group by sub-group."""
+        settings = self.groups.settings
         if self.offloaded:
-            return [{"params": [t]} for t in self._master_list]
-        return self._master_list
+            return [{"params": [t], **settings[g]} for t, g in zip(self._master_list, self._master_group)]
+        if self.groups.plain:
+            return self._master_list
+        by_group: dict[int, list] = {}
+        for t, g in zip(self._master_list, self._master_group):
+            by_group.setdefault(g, []).append(t)
+        return [{"params": ts, **settings[g]} for g, ts in sorted(by_group.items())]
 
     # -- backward ---------------------------------------------------------------------
     def before_backward(self) -> None:
+        self._check_trainability()
+        if self.run.first_micro_step:
+            for u in self.units:
+                u.window_fresh = True     # its first reduction in this window overwrites
         for u in self.units:
             u.pending = len(u.trainable)
             u.reduced = False
+            u.ready = False
+        self._next_reduce = 0
+
+    def _check_trainability(self) -> None:
+        for name, p, trains in self._trainability:
+            if p.requires_grad != trains:
+                now = "trains now" if p.requires_grad else "is frozen now"
+                raise StateError(f"parameter {name!r} {now} but did not when zeroplug.initialize built the "
+                                 "engine; set requires_grad before zeroplug.initialize (the optimizer holds "
+                                 "states for the parameters that trained then), or build a new engine after "
+                                 "changing which parameters train")
 
     def _on_grad(self, p) -> None:
         u = self.unit_of[p]
+        i = u.position[p]
         if self.shard_grads:
+            o, n = u.layout.offsets[i], u.layout.numels[i]
             if u.bucket is None:
                 u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
-            i = u.position[p]
-            o, n = u.layout.offsets[i], u.layout.numels[i]
-            u.bucket[o:o + n].view_as(p).copy_(p.grad)
+                u.bucket[o:o + n].view(u.layout.shapes[i]).copy_(p.grad)
+            else:       # grads of an earlier micro-step that were not reduced yet
+                u.bucket[o:o + n].view(u.layout.shapes[i]).add_(p.grad)
             p.grad = None
+        elif p.grad is not u.grad_views[i]:
+            # Note: the user's model.zero_grad() (set_to_none) replaced the view of the
+            # flat gradient buffer; fold the new gradient in and restore the view.
+            u.grad_views[i].add_(p.grad)
+            p.grad = u.grad_views[i]
         u.pending -= 1
         if u.pending == 0 and (self.shard_grads or self.run.at_boundary):
+            self._ready(u)
+
+    def _ready(self, u: Unit) -> None:
+        """``u``'s gradients are complete: reduce it now, or (several ranks) once every unit
+        before it in the fixed order is reduced."""
+        if self.comm.world_size == 1:
             self._reduce(u)
+            return
+        u.ready = True
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].ready:
+            v = order[self._next_reduce]
+            self._next_reduce += 1
+            if not v.reduced:
+                self._reduce(v)
 
     def _reduce(self, u: Unit) -> None:
         world = self.comm.world_size
@@ -263,7 +342,8 @@ class FlatPartitioner(Partitioner):
             # the host does not block, and the D2H copy then follows on a side stream.
             handle.wait()
             part = out if out.numel() == u.hi - u.lo else out[u.lo:u.hi]
-            self.offload.grad_ready(u, part, first_micro=not self.shard_grads or self.run.first_micro_step)
+            self.offload.grad_ready(u, part, first_micro=not self.shard_grads or u.window_fresh)
+            u.window_fresh = False
         else:
             self._pending.append((u, handle, out))
             if not self.options.overlap_comm:
@@ -288,13 +368,17 @@ class FlatPartitioner(Partitioner):
 
     def finish_gradients(self) -> None:
         self.wait_optimizer()
-        for u in self.units:
-            if u.reduced or not u.trainable:
+        several = self.comm.world_size > 1
+        for u in (self._reduce_order if several else self.units):
+            if u.reduced:
                 continue
             if self.shard_grads and u.bucket is None:
-                if self.offload is not None and self.run.first_micro_step:
-                    u.master.grad.zero_()   # offloaded grads are overwritten, not zeroed each step
-                continue            # no gradient reached this unit in this backward
+                if several:     # every rank reduces every unit, in the same order
+                    u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
+                else:
+                    if self.offload is not None and u.window_fresh:
+                        u.master.grad.zero_()   # offloaded grads are overwritten, not zeroed each step
+                    continue            # no gradient reached this unit in this window
             self._reduce(u)
         self._drain()
         if self.offload is not None:
@@ -385,7 +469,7 @@ class FlatPartitioner(Partitioner):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         self.wait_optimizer()
-        out = {"lp_params": [u.full for u in self.units] + [u.shard for u in self.units if u.sharded_params],
+        out = {"lp_params": [u.full for u in self.all_units] + [u.shard for u in self.all_units if u.sharded_params],
                "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
                "hp_params": [] if self.alias else list(self._master_list),
                "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads
@@ -443,6 +527,13 @@ class FlatPartitioner(Partitioner):
             if given:
                 logging.getLogger("zeroplug").warning(
                     "[zeroplug] zero.%s applies to stage 3 only; %s ignores it", given[0], choice.name)
+
+
+def _check_materialized(name: str, p: torch.Tensor) -> None:
+    if p.is_meta and getattr(p, "_zp_group", None) is None:
+        raise StateError(f"parameter {name!r} is on the meta device (it has no values): materialize the "
+                         "model before zeroplug.initialize (model.to_empty(device=...) and initialize or "
+                         "load the weights), or build it inside zeroplug.init")
 
 
 def _mixed_grad_ok() -> bool:

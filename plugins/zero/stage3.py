@@ -17,17 +17,12 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten
 
+from zeroplug.errors import StateError
 from zeroplug.flat import FlatLayout, free_storage
 
-from .partitioner import Stage2, hidden_size
+from .partitioned_init import PartitionedInit, flush_pending, materialize
+from .partitioner import Stage2, _check_materialized, hidden_size
 from .unit import FREE, INFLIGHT, READY, Unit
-
-
-class InitGroup:
-    """The parameters of one module, partitioned while the model was being built."""
-
-    def __init__(self, params, layout: FlatLayout, shard: torch.Tensor):
-        self.params, self.layout, self.shard = params, layout, shard
 
 
 def _in_backward() -> bool:
@@ -39,7 +34,7 @@ class Stage3(Stage2):
     stage = 3
     shard_params = True
 
-    def setup(self, module, precision, offload_optimizer, offload_param):
+    def setup(self, module, precision, offload_optimizer, offload_param, groups=None):
         o = self.options
         h = hidden_size(module)
         self.persist_threshold = 10 * h if o.stage3_param_persistence_threshold == "auto" \
@@ -47,9 +42,10 @@ class Stage3(Stage2):
         self.prefetch_size = int(0.9 * h * h) if o.stage3_prefetch_bucket_size == "auto" \
             else o.stage3_prefetch_bucket_size
         self.params_offloaded = offload_param.offloaded
+        flush_pending()
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
-        super().setup(module, precision, offload_optimizer, offload_param)
+        super().setup(module, precision, offload_optimizer, offload_param, groups)
         self.trace_prev: list[int] = []
         self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
         self.trace_cur: list[int] = []
@@ -64,35 +60,59 @@ class Stage3(Stage2):
         if self.layout_world == 1 and not self.params_offloaded:
             return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
         for m in module.modules():
-            us = sorted({self.unit_of[p].index for p in m._parameters.values() if p is not None})
+            us = sorted({self.unit_of[p].index for p in m._parameters.values() if p in self.unit_of})
             if us:
-                self.units_of_module[m] = [self.units[i] for i in us]
+                self.units_of_module[m] = [self.all_units[i] for i in us]
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(m.register_forward_hook(self._post_forward))
+                self._hooks.append(m.register_state_dict_pre_hook(self._state_dict_pre_hook))
         self._hooks.append(module.register_forward_hook(self._end_forward))
+
+    def _state_dict_pre_hook(self, module, prefix, keep_vars) -> None:
+        """``module.state_dict()`` would hand out sharded parameters (no values): refuse."""
+        if not keep_vars and any(u.state == FREE for u in self.units_of_module[module]):
+            raise StateError(
+                f"state_dict() of {prefix.rstrip('.') or type(module).__name__!r} under ZeRO stage 3: the "
+                "parameters are sharded across ranks (and offloaded). Use engine.consolidated_state_dict() "
+                "(every rank calls it; rank 0 gets the tensors), engine.save_16bit_model(path) or "
+                "engine.save_pretrained(dir), or read it inside `with engine.gathered_parameters():`")
 
     # -- building units from (possibly pre-partitioned) parameters -------------------
     def _prepare_module(self, module):
+        for name, p in module.named_parameters():
+            _check_materialized(name, p)
+            if not p.is_floating_point():      # integer parameters: whole on every rank, as they are
+                p.data = p.data.to(self.device)
         for b in module.buffers():
             b.data = b.data.to(self.device)
 
     def _group_params(self, module):
+        """One unit per module and kind: its trainable parameters of each parameter group,
+        and its frozen ones (sharded, gathered, never stepped). Integer parameters stay whole."""
         groups, assigned = [], set()
+        in_model = {id(p) for p in module.parameters()}
         for m in module.modules():
-            fresh = []
+            fresh: dict = {}
             for p in m._parameters.values():
-                if p is None or p in assigned:
+                if p is None or id(p) in assigned or not p.is_floating_point():
                     continue
                 g = getattr(p, "_zp_group", None)
-                if g is not None:
+                if g is not None and self._usable(g, in_model):
                     groups.append(g.params)
-                    assigned.update(g.params)
-                else:
-                    fresh.append(p)
-                    assigned.add(p)
-            if fresh:
-                groups.append(fresh)
+                    assigned.update(id(q) for q in g.params)
+                    continue
+                if g is not None:       # built by zeroplug.init, but its kinds differ: lay it out again
+                    materialize(g)
+                fresh.setdefault((p.requires_grad, self.groups.index(p)), []).append(p)
+                assigned.add(id(p))
+            groups.extend(fresh.values())
         return groups
+
+    def _usable(self, g, in_model) -> bool:
+        """A zeroplug.init group becomes a unit as it is when its parameters are all still in
+        the model and of one kind (trainable or not, one parameter group)."""
+        kinds = {(p.requires_grad, self.groups.index(p)) for p in g.params}
+        return len(kinds) == 1 and all(id(p) in in_model for p in g.params)
 
     def _make_unit(self, index, params) -> Unit:
         world, rank = self.layout_world, self.layout_rank
@@ -110,8 +130,7 @@ class Stage3(Stage2):
                 shard = full
             else:
                 free_storage(full)
-            for p in params:
-                del p._zp_group
+            group.release()
         else:
             layout = FlatLayout.build(params, world)
             full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
@@ -132,8 +151,10 @@ class Stage3(Stage2):
                 unit.start_gather(self.comm, self.upload)
                 unit.wait_gather()
         elif not unit.persistent:
-            free_storage(full)
-            unit.state = FREE
+            unit.mark_free()
+        if not unit.persistent:
+            for p in params:
+                p._zp_fetch = lambda u=unit: self._fetch(u)     # a read outside a module's forward
         return unit
 
     # -- forward / backward hooks -----------------------------------------------------
@@ -173,7 +194,7 @@ class Stage3(Stage2):
         budget, live = self.prefetch_size, self._live_numel()
         first = True
         for idx in order[start + 1:]:
-            u = self.units[idx]
+            u = self.all_units[idx]
             if u.state != FREE:
                 first = False
                 continue
@@ -195,7 +216,7 @@ class Stage3(Stage2):
             live += u.numel
 
     def _live_numel(self) -> int:
-        return sum(u.numel for u in self.units if not u.persistent and u.state != FREE)
+        return sum(u.numel for u in self.all_units if not u.persistent and u.state != FREE)
 
     def _pre_forward(self, module, args) -> None:
         units = self.units_of_module[module]
@@ -211,24 +232,44 @@ class Stage3(Stage2):
 
     def _post_forward(self, module, args, output):
         units = self.units_of_module[module]
-        backward_follows = torch.is_grad_enabled() and any(p.requires_grad for u in units for p in u.params)
-        if backward_follows:
-            for t in tree_flatten(output)[0]:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(lambda grad, m=module: self._pre_backward(m))
+        # Note: a backward passes through this module when its output requires grad, also
+        # when its own parameters are frozen (the input's gradient needs the weight).
+        outs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        backward_follows = torch.is_grad_enabled() and bool(outs)
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
+        if backward_follows:
+            for t in outs:
+                t.register_hook(lambda grad, m=module: self._pre_backward(m))
+            if any(not u.trainable for u in units):
+                # frozen units are released once the gradient of the module's input exists
+                # (trainable ones once their gradients are reduced)
+                for t in tree_flatten(args)[0]:
+                    if torch.is_tensor(t) and t.requires_grad:
+                        t.register_hook(lambda grad, m=module: self._post_backward_frozen(m))
         for u in units:
             if not self._reused_soon(u, backward_follows):
                 self._release(u)
 
+    def _post_backward_frozen(self, module) -> None:
+        for u in self.units_of_module[module]:
+            if not u.trainable:
+                self._release(u)
+
     def _end_forward(self, module, args, output) -> None:
         """The root module's forward returned: with no backward to follow (no_grad, eval),
-        nothing that was kept for reuse or prefetched may outlive it."""
+        nothing that was kept for reuse or prefetched may outlive it. An output that is
+        not made of tensors (an object of the model's own) may still lead to a backward."""
         if _in_backward():
             return
-        if not any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(output)[0]):
-            self.release_all()
+        if torch.is_grad_enabled():
+            leaves = tree_flatten(output)[0]
+            if any(torch.is_tensor(t) and t.requires_grad for t in leaves):
+                return
+            if any(not torch.is_tensor(t) and not isinstance(t, (int, float, bool, str, type(None)))
+                   for t in leaves):
+                return
+        self.release_all()
 
     def _reused_soon(self, u: Unit, backward_follows: bool = False) -> bool:
         """Whether ``u`` runs again within stage3_max_reuse_distance elements of execution,
@@ -244,7 +285,7 @@ class Stage3(Stage2):
         for idx in prev[pos:]:
             if idx == u.index:
                 return dist <= self.options.stage3_max_reuse_distance
-            dist += self.units[idx].numel
+            dist += self.all_units[idx].numel
         # the backward's reuse is predicted only while this forward follows the recorded one
         return (backward_follows and 2 * dist <= self.options.stage3_max_reuse_distance
                 and 0 < pos <= len(prev) and prev[:pos] == self.trace_cur)
@@ -267,7 +308,7 @@ class Stage3(Stage2):
         self.release_all()
 
     def release_all(self) -> None:
-        for u in self.units:
+        for u in self.all_units:
             self._release(u)
 
     # -- after the optimizer ------------------------------------------------------------
@@ -278,7 +319,7 @@ class Stage3(Stage2):
     def wait_optimizer(self) -> None:
         super().wait_optimizer()
         for i in sorted(self._stale):
-            self._refill(self.units[i])
+            self._refill(self.all_units[i])
 
     def _gather_after_step(self) -> None:
         """Only persistent units are kept whole; the others are gathered at their next use."""
@@ -309,10 +350,10 @@ class Stage3(Stage2):
     @contextmanager
     def gathered_params(self):
         self.wait_optimizer()
-        for u in self.units:
+        for u in self.all_units:
             if u.state == FREE:
                 self._start(u)
-        for u in self.units:
+        for u in self.all_units:
             u.wait_gather()
         try:
             yield
@@ -328,78 +369,3 @@ class Stage3(Stage2):
     @classmethod
     def construction_context(cls, options, run, precision):
         return PartitionedInit(run, precision)
-
-
-class PartitionedInit:
-    """``zeroplug.init`` for stage 3: each module's parameters are sharded as soon as
-    that module's ``__init__`` returns, so the whole model never exists on any rank.
-
-    Note: initial values equal a plain build with the same seed because each module
-    still initialises its full parameters in its own constructor, consuming the RNG
-    in the same order; only then is the rank's slice kept. The largest layer exists
-    whole for a moment, nothing bigger.
-    """
-
-    def __init__(self, run, precision):
-        self.run, self.dtype = run, precision.param_dtype
-        self._patched: list[tuple[type, object]] = []
-
-    def _partition(self, module: torch.nn.Module) -> None:
-        params = [p for p in module._parameters.values()
-                  if p is not None and not hasattr(p, "_zp_group")]
-        if not params:
-            return
-        world, rank = self.run.world_size, self.run.rank
-        layout = FlatLayout.build(params, world)
-        lo, hi = layout.shard_range(rank)
-        shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.run.device)
-        for i, a, b in layout.shard_pieces(rank):
-            dst = layout.offsets[i] + a - lo
-            shard[dst:dst + b - a].copy_(params[i].data.reshape(-1)[a:b])
-        group = InitGroup(params, layout, shard)
-        for p in params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.run.device)
-            p._zp_group = group
-
-    def _wrap(self, cls: type) -> None:
-        orig = cls.__dict__.get("__init__")
-        if orig is None or getattr(orig, "_zp_wrapped", False):
-            return
-        ctx = self
-
-        def __init__(module, *args, **kwargs):
-            depth = module.__dict__.get("_zp_init_depth", 0)
-            object.__setattr__(module, "_zp_init_depth", depth + 1)
-            try:
-                orig(module, *args, **kwargs)
-            finally:
-                object.__setattr__(module, "_zp_init_depth", depth)
-            if depth == 0:
-                ctx._partition(module)
-        __init__._zp_wrapped = True
-        cls.__init__ = __init__
-        self._patched.append((cls, orig))
-
-    def __enter__(self):
-        def walk(c):
-            self._wrap(c)
-            for s in c.__subclasses__():
-                walk(s)
-        walk(torch.nn.Module)
-        ctx = self
-        self._orig_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
-
-        def __init_subclass__(cls, **kw):
-            super(torch.nn.Module, cls).__init_subclass__(**kw)
-            ctx._wrap(cls)
-        torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
-        return self
-
-    def __exit__(self, *exc):
-        for cls, orig in reversed(self._patched):
-            cls.__init__ = orig
-        if self._orig_subclass is None:
-            del torch.nn.Module.__init_subclass__
-        else:
-            torch.nn.Module.__init_subclass__ = self._orig_subclass
-        return False

@@ -13,10 +13,59 @@ parameters gathered before that module runs). Every unit owns:
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from zeroplug.flat import FlatLayout, alloc_storage, free_storage
 
 FREE, INFLIGHT, READY = "free", "inflight", "ready"
+
+# what a released parameter can answer without its values
+METADATA_OPS = {"shape", "ndim", "dim", "size", "numel", "nelement", "is_contiguous", "stride", "__len__",
+                "dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn", "data",
+                "is_floating_point", "is_complex", "element_size", "is_cuda", "is_meta", "is_sparse",
+                "layout", "names", "_is_view", "register_hook", "register_post_accumulate_grad_hook",
+                "retain_grad", "__hash__", "_backward_hooks", "_post_accumulate_grad_hooks", "__setstate__",
+                "_base", "is_shared", "untyped_storage", "data_ptr", "storage_offset", "itemsize", "nbytes",
+                "is_pinned", "__set__"}
+
+
+def op_name(func) -> str:
+    """The name of a torch function, or of the property a getter / setter belongs to."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        return "__set__" if name == "__set__" else owner or name
+    return name
+
+
+class ReleasedParam(torch.nn.Parameter):
+    """A stage-3 parameter whose unit is released (its values are on the ranks' shards).
+
+    Note: a module's own forward gathers its unit before it runs. A parameter read
+    anywhere else (``h @ model.lm_head.weight.t()`` in a loss of one's own) would read freed
+    memory; as a ReleasedParam it gathers its unit first, which then stays until its
+    gradient is reduced (or the next forward). Every rank runs the same code, so the
+    gathers pair up. While a unit is gathered its parameters are plain ``nn.Parameter``
+    objects: modules' forwards pay nothing for this."""
+
+    def __repr__(self):
+        return (f"Parameter(shape={tuple(self.shape)}, dtype={self.dtype}; ZeRO stage 3 shard, "
+                "gathered on use)")
+
+    __str__ = __repr__
+
+    def __format__(self, spec):      # no gather: a log line on one rank must not wait for the others
+        return repr(self)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if op_name(func) not in METADATA_OPS:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, ReleasedParam):
+                    t._zp_fetch()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
 
 class _EventHandle:
@@ -44,11 +93,15 @@ class Unit:
         self.shard = shard if shard is not None else full[self.lo:self.hi]
         self.master: torch.Tensor | None = None
         self.grad_flat: torch.Tensor | None = None     # stages 0-1: persistent, params' .grad are views
+        self.grad_views: list[torch.Tensor] = []       # ... each parameter's view of it
+        self.group = 0                                 # the parameter group (param_groups.py)
         self.bucket: torch.Tensor | None = None        # stages 2-3: transient, filled by the hooks
         self.pending = len(self.trainable)
         self.reduce_handle = None
         self.reduce_out: torch.Tensor | None = None
         self.reduced = False
+        self.ready = False              # gradients complete, reduction waiting for its turn
+        self.window_fresh = True        # not reduced yet in this accumulation window
         # stage 3 gathering
         self.state = READY
         self.gather_handle = None
@@ -102,11 +155,18 @@ class Unit:
             self.gather_handle.wait()
             self.gather_handle = None
             self.state = READY
+            for p in self.params:
+                p.__class__ = torch.nn.Parameter
 
     def release(self) -> None:
         """Free the gathered copy; waits for an in-flight gather first (never "still in flight")."""
         if self.persistent or self.state == FREE:
             return
         self.wait_gather()
+        self.mark_free()
+
+    def mark_free(self) -> None:
         free_storage(self.full)
         self.state = FREE
+        for p in self.params:
+            p.__class__ = ReleasedParam
