@@ -19,7 +19,6 @@ This module holds the pieces both adapters need:
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import logging
 import math
@@ -197,17 +196,14 @@ def _host_schedule_plugin(lr_source: Callable[[], float]):
     return Plugin()
 
 
-def _group_options(groups: list[dict]) -> set[str]:
-    return {k for g in groups for k in g if k != "params"}
-
-
 def build_engine(module: torch.nn.Module, raw: dict, groups: list[dict] | None,
                  lr_source: Callable[[], float | None] | None, device=None):
     """``zeroplug.initialize`` for a host loop over the torch-style parameter ``groups``.
 
     With ``lr_source`` the host's scheduler drives the learning rate: the ``[scheduler]``
-    slot reads ``lr_source()`` at every optimizer step (None: the configured
-    ``optimizer.lr``). Without it, the config's own ``[scheduler]`` does."""
+    slot reads ``lr_source()`` (the lr for ``optimizer.lr``; None: ``optimizer.lr`` itself)
+    at every optimizer step, and each group follows in proportion to its own lr. Without
+    it, the config's own ``[scheduler]`` does."""
     from zeroplug.registry import PluginManager
     pm = None
     if lr_source is not None:
@@ -216,41 +212,46 @@ def build_engine(module: torch.nn.Module, raw: dict, groups: list[dict] | None,
         raw = {**raw, "scheduler": {"plugin": HOST_SCHEDULE}}
     if groups is not None:
         groups = [g for g in groups if g["params"]]
-    if "model_parameters" in inspect.signature(zeroplug.initialize).parameters:
-        return zeroplug.initialize(module, raw, device=device, plugin_manager=pm, model_parameters=groups)
-    if groups and len(groups) > 1:
-        options = sorted(_group_options(groups))
-        if any(len({repr(g.get(k)) for g in groups}) > 1 for k in options):
-            raise NotImplementedError(
-                f"parameter groups with different {', '.join(options)} need "
-                "zeroplug.initialize(model_parameters=...)")
-    return zeroplug.initialize(module, raw, device=device, plugin_manager=pm)
+    return zeroplug.initialize(module, raw, device=device, plugin_manager=pm, model_parameters=groups)
 
 
-def backward_and_step(engine, loss: torch.Tensor, boundary: bool | None = None) -> None:
+def scheduled_lr(optimizer: torch.optim.Optimizer, base_lr: float) -> float | None:
+    """The schedule's lr for ``base_lr``, read off a torch optimizer whose scheduler writes
+    its groups: ``base_lr`` x (a group's lr / that group's lr before scheduling)."""
+    for g in optimizer.param_groups:
+        start = float(g.get("initial_lr", g["lr"]))
+        if start > 0:
+            return base_lr * float(g["lr"]) / start
+    return None
+
+
+def load_engine_checkpoint(engine, load_dir, **kwargs):
+    """``engine.load_checkpoint`` keeping each optimizer group's own hyper-parameters.
+
+    Note: a checkpoint stores one group's hyper-parameters and loading applies them to
+    every group; with per-group settings (no weight decay on biases and norms) that would
+    change the run. A group's settings are the run's, not training state: they are kept."""
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
+    out = engine.load_checkpoint(load_dir, **kwargs)
+    for g, settings in zip(engine.optimizer.param_groups, own):
+        g.update(settings)
+    return out
+
+
+def backward_and_step(engine, loss: torch.Tensor, window: int | None = None) -> None:
     """Backward of ``loss`` as the host loop computed it (already divided by its accumulation
     steps), then ``engine.step()``, which steps the optimizer at the window's last micro-batch.
 
-    ``boundary``: the host's word on whether this micro-batch ends the window (True for the
-    last, shorter window of an epoch); None trusts the engine's count."""
-    if boundary and not engine.is_gradient_accumulation_boundary():
-        end_window_now(engine)
-    if "scale_wrt_gas" in inspect.signature(engine.backward).parameters:
-        engine.backward(loss, scale_wrt_gas=False)
-    else:
-        # Note: engine.backward divides by gradient_accumulation_steps; the host already did.
-        gas = engine.gradient_accumulation_steps
-        engine.backward(loss * gas if gas > 1 else loss)
-    engine.step()
-
-
-def end_window_now(engine) -> None:
-    """Make the coming micro-batch the last of its accumulation window."""
-    if hasattr(engine, "set_gradient_accumulation_boundary"):
-        engine.set_gradient_accumulation_boundary(True)
-        return
+    ``window``: how many micro-batches the host's current accumulation window has (the last
+    window of an epoch may be shorter); None keeps the engine's count."""
+    if window is not None and window != engine.gradient_accumulation_steps:
+        # Note: the engine closes a window after gradient_accumulation_steps backward calls;
+        # the host's shorter last window must close after its own length.
+        engine.gradient_accumulation_steps = window
     gas = engine.gradient_accumulation_steps
-    engine.micro_step += gas - 1 - engine.micro_step % gas
+    # Note: engine.backward divides by gradient_accumulation_steps; the host already did.
+    engine.backward(loss * gas if gas > 1 else loss)
+    engine.step()
 
 
 # --- torch optimizers as zeroplug's ------------------------------------------------------------
@@ -296,7 +297,10 @@ def torch_optimizer_spec(optimizer: torch.optim.Optimizer, where: str) -> tuple[
     options = {k: _plain(defaults[k]) for k in keys if k in defaults}
     groups = []
     for group in optimizer.param_groups:
-        own = {k: _plain(group[k]) for k in keys if k in group and not _same(_plain(group[k]), options.get(k))}
+        values = {k: _plain(group[k]) for k in keys if k in group}
+        if "initial_lr" in group:
+            values["lr"] = _plain(group["initial_lr"])     # before the scheduler's first factor
+        own = {k: v for k, v in values.items() if not _same(v, options.get(k))}
         groups.append({"params": list(group["params"]), **own})
     return plugin, options, groups
 

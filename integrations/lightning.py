@@ -42,7 +42,7 @@ import zeroplug
 from zeroplug.errors import ConfigError
 
 from .host import (Given, backward_and_step, build_engine, load_raw, optimizer_givens, reconcile,
-                   torch_optimizer_spec)
+                   load_engine_checkpoint, scheduled_lr, torch_optimizer_spec)
 
 #: inside a checkpoint folder: the engine's checkpoint (a tag) and Lightning's own state
 ENGINE_TAG = "zeroplug"
@@ -192,13 +192,12 @@ class ZeroplugStrategy(DDPStrategy):
                                   f"set the learning-rate schedule; keep one", key="scheduler.plugin")
             groups = spec[2] if spec is not None else None
             # Note: without a scheduler of Lightning's, a [scheduler] of the config drives the lr
-            lr_source = None if "scheduler" in raw else self._scheduled_lr
+            base_lr = raw.get("optimizer", {}).get("lr")
+            lr_source = None if "scheduler" in raw or base_lr is None else (
+                lambda: scheduled_lr(self.optimizers[0], base_lr) if self.optimizers else None)
             self.engine = build_engine(module, raw, groups, lr_source, device=self.root_device)
             self.precision_plugin.param_dtype = self.engine.precision.param_dtype
         self.model = _EngineModule(self.engine)
-
-    def _scheduled_lr(self):
-        return self.optimizers[0].param_groups[0]["lr"] if self.optimizers else None
 
     def model_to_device(self) -> None:
         """Nothing: the engine places the parameters."""
@@ -239,7 +238,7 @@ class ZeroplugStrategy(DDPStrategy):
             raise ConfigError(f"{path} is not a ZeroplugStrategy checkpoint (no {ENGINE_TAG}/ folder in it)",
                               key="ckpt_path")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        self.engine.load_checkpoint(path, tag=ENGINE_TAG, load_optimizer_states=fitting,
+        load_engine_checkpoint(self.engine, path, tag=ENGINE_TAG, load_optimizer_states=fitting,
                                     load_lr_scheduler_states=fitting, load_module_only=not fitting)
         return self.checkpoint_io.load_checkpoint(os.path.join(path, LIGHTNING_FILE), weights_only=weights_only)
 

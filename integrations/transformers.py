@@ -39,7 +39,7 @@ except ImportError as exc:       # pragma: no cover - exercised without the extr
 from zeroplug.errors import ConfigError
 
 from .host import (AUTO, Given, HostOptimizer, backward_and_step, build_engine, drop_auto_schedule,
-                   load_raw, reconcile)
+                   load_engine_checkpoint, load_raw, reconcile, scheduled_lr)
 
 log = logging.getLogger("zeroplug")
 
@@ -198,7 +198,9 @@ class ZeroplugTrainer(Trainer):
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
     def _scheduled_lr(self):
-        return self.optimizer.param_groups[0]["lr"] if isinstance(self.optimizer, HostOptimizer) else None
+        if not isinstance(self.optimizer, HostOptimizer):
+            return None
+        return scheduled_lr(self.optimizer, self.args.learning_rate)
 
     def _ensure_engine(self):
         if self.engine is None:
@@ -255,7 +257,7 @@ class ZeroplugTrainer(Trainer):
         engine = self.engine
 
         def backward(loss, **kwargs):
-            backward_and_step(engine, loss, boundary=self.accelerator.sync_gradients)
+            backward_and_step(engine, loss, window=getattr(self, "current_gradient_accumulation_steps", None))
 
         # Note: the Trainer's own training_step (loss, its scaling for accumulation, context
         # parallel, cache emptying) stays as it is; only its last call, the backward, goes
@@ -298,7 +300,7 @@ class ZeroplugTrainer(Trainer):
         if checkpoint is None:
             return
         super()._load_optimizer_and_scheduler(checkpoint)    # the scheduled lr first: the engine reads it
-        self.engine.load_checkpoint(os.path.join(checkpoint, ZEROPLUG_DIR))
+        load_engine_checkpoint(self.engine, os.path.join(checkpoint, ZEROPLUG_DIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the engine's checkpoint (in _prepare_for_training)."""
@@ -310,8 +312,8 @@ class ZeroplugTrainer(Trainer):
     def _load_best_model(self) -> None:
         best = os.path.join(self.state.best_model_checkpoint, ZEROPLUG_DIR)
         log.info("[zeroplug] loading the best model from %s (score: %s)", best, self.state.best_metric)
-        self.engine.load_checkpoint(best, load_optimizer_states=False, load_lr_scheduler_states=False,
-                                    load_module_only=True)
+        load_engine_checkpoint(self.engine, best, load_optimizer_states=False, load_lr_scheduler_states=False,
+                               load_module_only=True)
 
 
 @contextlib.contextmanager
