@@ -200,22 +200,25 @@ def cmd_estimate(args, overrides) -> int:
 def cmd_convert(args, overrides) -> int:
     import json
 
-    from .convert import from_deepspeed, to_toml
+    from .convert import convert_text
     try:
         ds = json.loads(Path(args.file).read_text())
     except FileNotFoundError:
         raise ZeroplugError(f"{args.file}: no such file") from None
     except json.JSONDecodeError as exc:
         raise ZeroplugError(f"{args.file}: not valid JSON: {exc}") from None
-    notes: list[str] = []
-    text = to_toml(from_deepspeed(ds, notes))
-    for note in notes:
-        print(f"# note: {note}")
-    print(text, end="")
+    try:
+        print(convert_text(ds), end="")
+    except ZeroplugError as exc:
+        raise ZeroplugError(f"{args.file}: {exc}") from None
     return 0
 
 
 def cmd_docs(args, overrides) -> int:
+    if args.deepspeed:
+        from .deepspeed_keys import compat_markdown
+        print(compat_markdown())
+        return 0
     from .config import CORE_TABLES, SLOT_TABLES
     from .options import option_docs
     from .registry import get_plugin_manager
@@ -290,7 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
     c.add_argument("file")
     c.set_defaults(fn=cmd_convert)
-    sub.add_parser("docs", help="print the configuration reference (markdown)").set_defaults(fn=cmd_docs)
+    d = sub.add_parser("docs", help="print the configuration reference (markdown)")
+    d.add_argument("--deepspeed", action="store_true",
+                   help="print the DeepSpeed key table instead (docs/deepspeed-compat.md)")
+    d.set_defaults(fn=cmd_docs)
     return p
 
 

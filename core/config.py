@@ -92,9 +92,13 @@ def read_file(path: str | os.PathLike) -> dict:
     if p.suffix == ".json":
         from .convert import from_deepspeed
         try:
-            return from_deepspeed(json.loads(text))
+            ds = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{p}: not valid JSON: {exc}") from None
+        try:
+            return from_deepspeed(ds)
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: {exc}", key=exc.key) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -231,8 +235,10 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
     return cfg
 
 
-def load(source=None, overrides=None, pm=None, world_size: int = 1) -> Config:
-    """A path, a raw dict, an existing Config (returned as is) or None (defaults)."""
+def load(source=None, overrides=None, pm=None, world_size: int = 1, model=None) -> Config:
+    """A path, a raw dict, an existing Config (returned as is) or None (defaults). A DeepSpeed
+    JSON file or dict is translated (convert.py); ``model`` fills its "auto" sizes that follow
+    the model's hidden size, as the Hugging Face integration does."""
     if isinstance(source, Config):
         if overrides:
             return resolve(apply_overrides(source.raw, overrides), pm, world_size)
@@ -242,9 +248,57 @@ def load(source=None, overrides=None, pm=None, world_size: int = 1) -> Config:
     if source is None:
         raw = {}
     elif isinstance(source, dict):
-        raw = source
+        from .convert import from_deepspeed, looks_like_deepspeed
+        raw = from_deepspeed(source) if looks_like_deepspeed(source) else source
     elif isinstance(source, (str, os.PathLike)):
         raw = read_file(source)
     else:
         raise ConfigError(f"config must be a path, a dict or a zeroplug Config, got {type(source).__name__}")
-    return resolve(apply_overrides(raw, overrides), pm, world_size)
+    raw = apply_overrides(raw, overrides)
+    translation = getattr(raw, "translation", None)
+    if translation is None:
+        return resolve(raw, pm, world_size)
+    from .convert import check_batch, fill_from_model
+    fill_from_model(raw, model)
+    check_batch(raw, world_size)
+    try:
+        cfg = resolve(raw, pm, world_size)
+    except ConfigError as exc:     # name the DeepSpeed key the user wrote
+        ds_key = translation.origin.get(exc.key or "")
+        if ds_key is None:
+            raise
+        raise ConfigError(f"{exc} (DeepSpeed key {ds_key})", key=ds_key) from None
+    _report_deepspeed(cfg, translation)
+    return cfg
+
+
+def _report_deepspeed(cfg: Config, translation) -> None:
+    """Once, on rank 0: the DeepSpeed keys ignored (and why) and every "auto" value as resolved."""
+    if translation.reported:
+        return
+    translation.reported = True
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    log = logging.getLogger("zeroplug")
+    for note in translation.notes:
+        log.warning("[zeroplug] DeepSpeed config: %s", note)
+    for ds_key, target, source in translation.autos:
+        log.warning("[zeroplug] DeepSpeed config: %s = \"auto\" -> %s = %s (%s)", ds_key, target,
+                    _final_value(cfg, target), source)
+
+
+def _final_value(cfg: Config, target: str):
+    """The value a resolved Config ended up with for a zeroplug key (for the "auto" report)."""
+    table, _, name = target.rpartition(".")
+    if table == "batch":
+        return getattr(cfg.batch, name)
+    if name == "plugin":
+        return cfg.slot(table).name
+    choice = cfg.slots.get(table)
+    value = getattr(choice.options, name, None) if choice else None
+    if value == "auto" and target.startswith("zero."):
+        return "auto; the ZeRO stage sets it at setup"
+    if value == "auto" and target == "scheduler.warmup_max_lr":
+        return _final_value(cfg, "optimizer.lr")
+    return value

@@ -44,11 +44,11 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def make_run(config=None, overrides=None, device=None, plugin_manager=None):
-    """The validated config and run context for this process."""
+def make_run(config=None, overrides=None, device=None, plugin_manager=None, model=None):
+    """The validated config and run context for this process (``model``: for "auto" sizes)."""
     pm = plugin_manager or get_plugin_manager()
     comm = Comm()
-    cfg = config_mod.load(config, overrides, pm=pm, world_size=comm.world_size)
+    cfg = config_mod.load(config, overrides, pm=pm, world_size=comm.world_size, model=model)
     dev = torch.device(device) if device is not None else _default_device()
     return cfg, RunContext(device=dev, comm=comm, config=cfg, hook=pm.hook), pm
 
@@ -58,7 +58,7 @@ class Engine:
                  plugin_manager=None, model_parameters=None):
         from .param_groups import param_groups
         groups = param_groups(model, model_parameters)
-        cfg, run, pm = make_run(config, overrides, device, plugin_manager)
+        cfg, run, pm = make_run(config, overrides, device, plugin_manager, model=model)
         self.config, self.run, self.plugin_manager = cfg, run, pm
         self.hook = pm.hook
         self.module = model

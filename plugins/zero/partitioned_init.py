@@ -21,12 +21,17 @@ this rank's slice of the value, in the existing parameter.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zeroplug.flat import FlatLayout
 
-# shape questions are answered for the whole parameter, without data
-_SHAPE_OPS = {"shape", "ndim", "dim", "size", "numel", "nelement", "is_contiguous", "stride", "__len__"}
+# shape questions are answered for the whole parameter, without data; so is detach(), which
+# module.state_dict() calls on every parameter (from_pretrained lists its keys that way):
+# gathering there would hold the whole model at once
+_SHAPE_OPS = {"shape", "ndim", "dim", "size", "numel", "nelement", "is_contiguous", "stride", "__len__",
+              "detach"}
 # metadata and bookkeeping that need no values: asked of the (empty) parameter itself
 _OWN_OPS = {"dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn", "data",
             "is_floating_point", "is_complex", "element_size", "is_cuda", "is_meta", "is_sparse", "layout",
@@ -35,9 +40,10 @@ _OWN_OPS = {"dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "gr
             "untyped_storage", "data_ptr", "storage_offset", "itemsize", "nbytes", "is_pinned"}
 # conversions inside Module._apply (.to, to_empty, .half): the values stay in the shard
 _CONVERSIONS = {"to", "cuda", "cpu", "empty_like", "float", "half", "bfloat16", "double", "type", "_to_copy"}
-_IN_PLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
 
-_pending: list = []     # (group, whole copy): views of a gathered copy, written back at the next flush
+# views handed out of a gathered copy: (group, copy, its version then); written back at the
+# next flush if the caller wrote through them
+_pending: list = []
 
 
 class InitGroup:
@@ -81,8 +87,9 @@ class InitGroup:
 def flush_pending() -> None:
     """Write back views of gathered copies that may have been written since."""
     while _pending:
-        group, whole = _pending.pop()
-        group.keep_slice(whole)
+        group, whole, version = _pending.pop()
+        if whole._version != version:
+            group.keep_slice(whole)
 
 
 def materialize(group: InitGroup) -> None:
@@ -134,20 +141,20 @@ class ShardedParam(torch.nn.Parameter):
                     return t
                 g = t._zp_group
                 if id(g) not in wholes:
-                    wholes[id(g)] = (g, g.whole())
+                    w = g.whole()
+                    wholes[id(g)] = (g, w, w._version)
                 return g.layout.views(wholes[id(g)][1])[g.index_of(t)]
 
             a = [whole_of(t) for t in args]
             kw = {k: whole_of(v) for k, v in kwargs.items()}
             out = func(*a, **kw)
-            writes = me is not None and ((name.endswith("_") and not name.startswith("__"))
-                                         or name in _IN_PLACE_DUNDER)
-            if writes or isinstance(kwargs.get("out"), ShardedParam):
-                for g, whole in wholes.values():
-                    g.keep_slice(whole)
-                return me if out is a[0] else out
+            for g, w, version in wholes.values():
+                if w._version != version:       # written (nn.init, copy_, an in-place op)
+                    g.keep_slice(w)
+            if me is not None and a and out is a[0]:
+                return me
             if torch.is_tensor(out):      # perhaps a view that the caller writes next
-                _pending.extend(v for v in wholes.values() if v[0].layout.world_size > 1)
+                _pending.extend((g, w, w._version) for g, w, _ in wholes.values() if g.layout.world_size > 1)
             return out
 
 
@@ -226,6 +233,7 @@ class PartitionedInit:
             return
         ctx = self
 
+        @functools.wraps(orig)
         def __init__(module, *args, **kwargs):
             depth = module.__dict__.get("_zp_init_depth", 0)
             object.__setattr__(module, "_zp_init_depth", depth + 1)
