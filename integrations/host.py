@@ -19,12 +19,10 @@ This module holds the pieces both adapters need:
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -40,50 +38,32 @@ log = logging.getLogger("zeroplug")
 AUTO = "auto"
 #: the scheduler implementation registered for engines that a host loop drives
 HOST_SCHEDULE = "host"
-#: top-level keys that only a DeepSpeed config has (zeroplug's own layout has none of them)
-_DEEPSPEED_KEYS = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
-                   "gradient_accumulation_steps", "gradient_clipping", "fp16", "bf16", "steps_per_print",
-                   "wall_clock_breakdown", "zero_allow_untested_optimizer", "aio"}
 
 
 # --- the config ------------------------------------------------------------------------
 
-def _is_deepspeed(d: dict) -> bool:
-    if _DEEPSPEED_KEYS & set(d):
-        return True
-    return any(isinstance(d.get(k), dict) and "type" in d[k] for k in ("optimizer", "scheduler"))
-
-
-def load_raw(source, host_precision: str | None = None) -> dict:
+def load_raw(source) -> dict:
     """``source`` (None, a TOML or DeepSpeed JSON path, a dict in either layout, or a
-    :class:`zeroplug.Config`) as a raw dict in zeroplug's layout.
-
-    ``host_precision`` ("fp32", "bf16", "fp16") resolves a DeepSpeed ``"enabled": "auto"``
-    in its ``fp16`` / ``bf16`` sections, as the Hugging Face integration of DeepSpeed does."""
+    :class:`zeroplug.Config`) as a raw dict in zeroplug's layout. A DeepSpeed config is
+    translated; its ``"auto"`` values are the host loop's to fill (see :func:`reconcile`)."""
     if source is None:
         return {}
     if isinstance(source, Config):
         return copy.deepcopy(source.raw)
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if path.suffix != ".json" or not path.is_file():
-            return read_file(path)          # TOML, or a clear error for a missing file
-        try:
-            source = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+        return read_file(source)
     if not isinstance(source, dict):
         raise ConfigError(f"zeroplug_config must be a path, a dict or a zeroplug Config, "
                           f"got {type(source).__name__}")
-    if not _is_deepspeed(source):
-        return copy.deepcopy(source)
-    from zeroplug.convert import from_deepspeed
-    ds = copy.deepcopy(source)
-    for key in ("fp16", "bf16"):
-        section = ds.get(key)
-        if isinstance(section, dict) and section.get("enabled") == AUTO:
-            section["enabled"] = host_precision == key
-    return from_deepspeed(ds)
+    from zeroplug.convert import from_deepspeed, looks_like_deepspeed
+    return from_deepspeed(source) if looks_like_deepspeed(source) else copy.deepcopy(source)
+
+
+def _deepspeed_autos(raw: dict) -> set[str]:
+    """The zeroplug keys a DeepSpeed config gave as "auto" (the translation filled them with
+    the Hugging Face defaults; a host loop knows the real values)."""
+    translation = getattr(raw, "translation", None)
+    return {target for _, target, _ in getattr(translation, "autos", ())}
 
 
 @dataclass(frozen=True)
@@ -111,6 +91,7 @@ def reconcile(raw: dict, given: list[Given], source: str = "zeroplug_config") ->
 
     A value set in both places and different raises a :class:`ConfigError` naming both."""
     out = copy.deepcopy(raw)
+    autos = _deepspeed_autos(raw)
     for g in given:
         table_path, key = g.path.rsplit(".", 1)
         table = out
@@ -119,7 +100,7 @@ def reconcile(raw: dict, given: list[Given], source: str = "zeroplug_config") ->
             if not isinstance(table, dict):
                 raise ConfigError(f"{source}: [{table_path}] must be a table", key=table_path)
         current = table.get(key, AUTO)
-        if isinstance(current, str) and current == AUTO:
+        if g.path in autos or (isinstance(current, str) and current == AUTO):
             table[key] = g.value
         elif not (_same(current, g.value) or any(_same(current, a) for a in g.accepts)):
             raise ConfigError(
@@ -135,11 +116,12 @@ def drop_auto_schedule(raw: dict, host_schedule: str, source: str = "zeroplug_co
     table = raw.get("scheduler")
     if not table:
         return raw
+    autos = _deepspeed_autos(raw)
     options = {k: v for k, v in table.items() if k != "plugin"}
-    if options and all(v == AUTO for v in options.values()):
+    if options and all(v == AUTO or f"scheduler.{k}" in autos for k, v in options.items()):
         log.warning("[zeroplug] %s names the schedule %r with every option \"auto\": %s drives the "
                     "learning rate instead", source, table.get("plugin"), host_schedule)
-        raw = dict(raw)
+        raw = copy.copy(raw)            # a DeepSpeed translation keeps its report
         del raw["scheduler"]
         return raw
     raise ConfigError(f"{source} [scheduler] (plugin = {table.get('plugin', 'none')!r}) and {host_schedule} "
@@ -209,7 +191,8 @@ def build_engine(module: torch.nn.Module, raw: dict, groups: list[dict] | None,
     if lr_source is not None:
         pm = PluginManager()
         pm.register(_host_schedule_plugin(lr_source), "host_schedule")
-        raw = {**raw, "scheduler": {"plugin": HOST_SCHEDULE}}
+        raw = copy.copy(raw)            # a DeepSpeed translation keeps its report
+        raw["scheduler"] = {"plugin": HOST_SCHEDULE}
     if groups is not None:
         groups = [g for g in groups if g["params"]]
     return zeroplug.initialize(module, raw, device=device, plugin_manager=pm, model_parameters=groups)

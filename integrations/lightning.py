@@ -145,7 +145,7 @@ class ZeroplugStrategy(DDPStrategy):
     def _config(self, trainer, optimizer_spec=None) -> dict:
         requested = self.precision_plugin.precision
         host_precision = PRECISIONS[requested]
-        raw = load_raw(self.zeroplug_config, host_precision=host_precision)
+        raw = load_raw(self.zeroplug_config)
         given = [Given("batch.gradient_accumulation_steps", trainer.accumulate_grad_batches,
                        "Trainer(accumulate_grad_batches)")]
         if requested not in ("32-true", "32"):

@@ -102,7 +102,7 @@ def _precision(args: TrainingArguments) -> str:
 def trainer_config(zeroplug_config, args: TrainingArguments) -> dict:
     """The zeroplug config (raw, zeroplug layout) with what ``args`` decides filled in;
     a value set in both and different is refused with both names."""
-    raw = load_raw(zeroplug_config, host_precision=_precision(args))
+    raw = load_raw(zeroplug_config)
     raw = drop_auto_schedule(raw, f"TrainingArguments.lr_scheduler_type = {_name(args.lr_scheduler_type)!r}")
     plugin = OPTIMIZERS[_name(args.optim)]
     mbs, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps

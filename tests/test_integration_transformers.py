@@ -179,6 +179,15 @@ def test_deepspeed_json_for_the_trainer_as_is(tmp_path):
                             "gradient_clipping": 0.5}
 
 
+def test_a_real_deepspeed_json_trains(tmp_path, plain):
+    """LLaMA-Factory's ZeRO-3 JSON for the Trainer (tests/data/deepspeed, see SOURCES), as it is."""
+    path = os.path.join(os.path.dirname(__file__), "data", "deepspeed", "llamafactory_ds_z3.json")
+    trainer, log = train(ZeroplugTrainer, tiny_model(), training_args(tmp_path, max_steps=2), zeroplug_config=path)
+    assert trainer.engine.config.slot("zero").name == "stage3"
+    assert trainer.engine.config.slot("precision").name == "fp32"       # "enabled": "auto", no bf16/fp16
+    assert rel(plain.loss[:2], log.loss) < 1e-5
+
+
 # --- two ranks under torchrun ---------------------------------------------------------------
 
 @pytest.mark.slow
