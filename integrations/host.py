@@ -100,6 +100,8 @@ def reconcile(raw: dict, given: list[Given], source: str = "zeroplug_config") ->
             if not isinstance(table, dict):
                 raise ConfigError(f"{source}: [{table_path}] must be a table", key=table_path)
         current = table.get(key, AUTO)
+        if current == AUTO and AUTO in g.accepts:
+            continue            # a value named "auto" (optimizer.plugin = "auto": the optimizer that fits)
         if g.path in autos or (isinstance(current, str) and current == AUTO):
             table[key] = g.value
         elif not (_same(current, g.value) or any(_same(current, a) for a in g.accepts)):

@@ -178,6 +178,12 @@ def test_deepspeed_json_for_the_trainer_as_is(tmp_path):
     assert raw["batch"] == {"micro_batch_size": 2, "gradient_accumulation_steps": 3, "train_batch_size": 6,
                             "gradient_clipping": 0.5}
 
+    # offloaded optimizer states: DeepSpeed's AdamW becomes optimizer.plugin = "auto" (cpu_adam on a
+    # GPU run), which computes AdamW as the Trainer's optim does
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    trainer = ZeroplugTrainer(model=tiny_model(), args=args, train_dataset=Tokens(), zeroplug_config=ds)
+    assert trainer.zeroplug_raw["optimizer"]["plugin"] == "auto"
+
 
 def test_a_real_deepspeed_json_trains(tmp_path, plain):
     """LLaMA-Factory's ZeRO-3 JSON for the Trainer (tests/data/deepspeed, see SOURCES), as it is."""
