@@ -60,6 +60,24 @@ class Regressor(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
+class ManualRegressor(Regressor):
+    """Manual optimization, layers built in __init__."""
+
+    def __init__(self):
+        super().__init__(schedule=False)
+        self.automatic_optimization = False
+        self.net = make_net()
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.seen.append(loss.item())
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
 def loader(n=32, batch=4):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
@@ -106,6 +124,15 @@ def test_follows_plain_lightning(plain, stage):
     assert rel(plain, module.seen) < 1e-5
     # each group's lr follows the warm-up in proportion: 1e-2 and 5e-3 at full strength
     assert engine.get_lr() == pytest.approx([1e-2, 5e-3])
+
+
+def test_manual_optimization():
+    kw = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "max_steps": 3}
+    _, plain = fit("ddp", module=ManualRegressor(), **kw)
+    dist.destroy_process_group()
+    trainer, module = fit(ZeroplugStrategy({"zero": {"plugin": "stage3"}}), module=ManualRegressor(), **kw)
+    assert trainer.strategy.engine.global_step == 3
+    assert rel(plain.seen, module.seen) < 1e-5
 
 
 def test_precision_and_accumulation_come_from_the_trainer():

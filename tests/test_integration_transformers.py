@@ -117,6 +117,29 @@ def test_checkpoints_rotate_and_resume_exactly(tmp_path):
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
+def test_load_best_model_at_end(tmp_path):
+    args = training_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                         save_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss")
+    trainer = ZeroplugTrainer(model=tiny_model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8, seed=2),
+                              zeroplug_config={"zero": {"plugin": "stage2"}})
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    saved = LlamaForCausalLM.from_pretrained(best).state_dict()
+    now = trainer.engine.consolidated_state_dict()
+    assert all(torch.equal(saved[k], now[k]) for k in now)
+
+
+def test_an_fp16_step_skipped_for_overflow_keeps_the_schedule(tmp_path):
+    """A loss scale of 2^40 overflows fp16: those steps are skipped, and the Trainer's
+    schedule advances only with the steps taken (as with its own fp16)."""
+    args = training_args(tmp_path, max_steps=4, fp16=True)
+    cfg = {"precision": {"plugin": "fp16", "initial_scale_power": 40}}
+    trainer, _ = train(ZeroplugTrainer, tiny_model(), args, zeroplug_config=cfg)
+    engine = trainer.engine
+    assert engine.skipped_steps >= 1 and engine.global_step == 4
+    assert trainer.lr_scheduler.last_epoch == engine.lr_step == 4 - engine.skipped_steps
+
+
 def test_resume_needs_a_zeroplug_checkpoint(tmp_path):
     trainer = ZeroplugTrainer(model=tiny_model(), args=training_args(tmp_path), train_dataset=Tokens())
     (tmp_path / "checkpoint-2").mkdir()
