@@ -23,13 +23,13 @@ optimizer hyper-parameters and schedulers; ``fit(ckpt_path=...)`` continues exac
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.strategies.strategy import _ForwardRedirection
@@ -164,12 +164,7 @@ class ZeroplugStrategy(DDPStrategy):
     @contextmanager
     def model_sharded_context(self):
         """``configure_model`` runs here: stage 3 builds each layer already sharded."""
-        raw = self._config(self.lightning_module.trainer)
-        if raw.get("zero", {}).get("plugin") != "stage3":
-            with nullcontext():
-                yield
-            return
-        with zeroplug.init(raw, device=self.root_device):
+        with zeroplug.init(self._config(self.lightning_module.trainer), device=self.root_device):
             yield
 
     # -- setup --------------------------------------------------------------------------------
@@ -177,27 +172,33 @@ class ZeroplugStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        spec = None
+        # Note: outside fit too, so that an engine built for validate() steps what fit() will
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        if len(optimizers) != 1:
+            raise ConfigError(f"configure_optimizers returned {len(optimizers)} optimizers; "
+                              f"ZeroplugStrategy steps exactly one", key="configure_optimizers")
+        optimizer = None if isinstance(optimizers[0], _MockOptimizer) else optimizers[0]   # None: the config's
         if trainer.state.fn == TrainerFn.FITTING:
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
-            if len(optimizers) != 1:
-                raise ConfigError(f"configure_optimizers returned {len(optimizers)} optimizers; "
-                                  f"ZeroplugStrategy steps exactly one", key="configure_optimizers")
-            spec = torch_optimizer_spec(optimizers[0], "configure_optimizers")
             self.optimizers, self.lr_scheduler_configs = optimizers, schedulers
         if self.engine is None or self.engine.module is not module:
+            spec = torch_optimizer_spec(optimizer, "configure_optimizers") if optimizer is not None else None
             raw = self._config(trainer, spec)
-            if self.lr_scheduler_configs and "scheduler" in raw:
+            if schedulers and "scheduler" in raw:
                 raise ConfigError(f"{SOURCE} [scheduler] and the scheduler from configure_optimizers both "
                                   f"set the learning-rate schedule; keep one", key="scheduler.plugin")
-            groups = spec[2] if spec is not None else None
-            # Note: without a scheduler of Lightning's, a [scheduler] of the config drives the lr
-            base_lr = raw.get("optimizer", {}).get("lr")
-            lr_source = None if "scheduler" in raw or base_lr is None else (
-                lambda: scheduled_lr(self.optimizers[0], base_lr) if self.optimizers else None)
-            self.engine = build_engine(module, raw, groups, lr_source, device=self.root_device)
+            # Note: the optimizer's scheduler drives the lr; without one, the config's [scheduler]
+            lr_source = None
+            if spec is not None and "scheduler" not in raw:
+                base_lr = raw["optimizer"]["lr"]
+                lr_source = lambda: scheduled_lr(self._live_optimizer(optimizer), base_lr)  # noqa: E731
+            self.engine = build_engine(module, raw, spec[2] if spec else None, lr_source, device=self.root_device)
             self.precision_plugin.param_dtype = self.engine.precision.param_dtype
         self.model = _EngineModule(self.engine)
+
+    def _live_optimizer(self, fallback):
+        """The optimizer that fit's scheduler writes (a later fit builds a new one)."""
+        live = self.optimizers[0] if self.optimizers else None
+        return fallback if live is None or isinstance(live, _MockOptimizer) else live
 
     def model_to_device(self) -> None:
         """Nothing: the engine places the parameters."""
@@ -239,7 +240,7 @@ class ZeroplugStrategy(DDPStrategy):
                               key="ckpt_path")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         load_engine_checkpoint(self.engine, path, tag=ENGINE_TAG, load_optimizer_states=fitting,
-                                    load_lr_scheduler_states=fitting, load_module_only=not fitting)
+                               load_lr_scheduler_states=fitting, load_module_only=not fitting)
         return self.checkpoint_io.load_checkpoint(os.path.join(path, LIGHTNING_FILE), weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

@@ -180,7 +180,6 @@ class ZeroplugTrainer(Trainer):
                               "weight_decay and lr_scheduler_type instead", key="optimizers")
         self.engine = None
         self._engine_model = None
-        self._zeroplug_source = zeroplug_config
         super().__init__(*args, **kwargs)
         if self.args.n_gpu > 1:
             raise ConfigError(f"{self.args.n_gpu} GPUs in one process (torch.nn.DataParallel): launch one "
@@ -203,6 +202,9 @@ class ZeroplugTrainer(Trainer):
         return scheduled_lr(self.optimizer, self.args.learning_rate)
 
     def _ensure_engine(self):
+        if self.engine is not None and self.engine.module is not self.model:    # model_init: a new model
+            self.engine.close()
+            self.engine = None
         if self.engine is None:
             self.engine = build_engine(self.model, self.zeroplug_raw, self._parameter_groups(),
                                        self._scheduled_lr, device=self.args.device)
