@@ -27,8 +27,6 @@ import contextlib
 import logging
 import os
 
-import torch
-
 try:
     import transformers
     from transformers import Trainer, TrainingArguments
@@ -38,7 +36,7 @@ except ImportError as exc:       # pragma: no cover - exercised without the extr
 
 from zeroplug.errors import ConfigError
 
-from .host import (AUTO, Given, HostOptimizer, backward_and_step, build_engine, drop_auto_schedule,
+from .host import (COMPATIBLE, Given, HostOptimizer, backward_and_step, build_engine, drop_auto_schedule,
                    load_engine_checkpoint, load_raw, reconcile, scheduled_lr)
 
 log = logging.getLogger("zeroplug")
@@ -47,7 +45,6 @@ log = logging.getLogger("zeroplug")
 ZEROPLUG_DIR = "zeroplug"
 #: TrainingArguments.optim values zeroplug computes, and as which of its optimizers
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
-_COMPATIBLE = {"adamw": ("adamw", "cpu_adam", "auto"), "sgd": ("sgd",)}
 
 # Note: the Trainer methods this class overrides are its own internals; a transformers
 # release that renames one would leave the loop half on DDP. Refuse to run instead.
@@ -114,7 +111,7 @@ def trainer_config(zeroplug_config, args: TrainingArguments) -> dict:
         Given("batch.gradient_clipping", float(args.max_grad_norm or 0.0), "TrainingArguments.max_grad_norm"),
         Given("precision.plugin", _precision(args), "TrainingArguments bf16/fp16"),
         Given("optimizer.plugin", plugin, f"TrainingArguments.optim = {_name(args.optim)!r}",
-              accepts=_COMPATIBLE[plugin]),
+              accepts=COMPATIBLE[plugin]),
         Given("optimizer.lr", args.learning_rate, "TrainingArguments.learning_rate"),
         Given("optimizer.weight_decay", args.weight_decay, "TrainingArguments.weight_decay"),
     ]
@@ -328,4 +325,4 @@ def _replaced(obj, name: str, value):
         delattr(obj, name)
 
 
-__all__ = ["ZeroplugTrainer", "trainer_config", "AUTO"]
+__all__ = ["ZeroplugTrainer", "trainer_config"]
