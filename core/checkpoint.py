@@ -48,9 +48,12 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint_dir
+from .errors import StepFailedError
 from .checkpoint_files import (
     FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, _install, atomic_write_text,
-    fsync_dir, prune, rank_file_name, read_manifest, resolve, verify, write_manifest, write_torch_file,
+    fsync_dir, newest_verified, prune, rank_file_name, read_latest, read_manifest, resolve, verify, write_manifest,
+    write_torch_file,
 )
 # Re-exported: the engine, the CLI, the zero plugin and the tests import them from here.
 from .checkpoint_export import consolidate, export  # noqa: F401
@@ -180,12 +183,56 @@ def _rank_state(engine, client_state, parts: PartWriter) -> dict:
     }
 
 
+def _estimate_bytes(engine) -> int:
+    """About how many bytes this rank's files of a checkpoint take, from the sizes of its
+    states (known before anything is written): model-dtype values, fp32 masters and the
+    optimizer's element-wise states of the elements it owns."""
+    try:
+        part = engine.partitioner
+        if not getattr(part, "shard_optimizer", True) and engine.run.rank != 0:
+            return 0                            # replicated: rank 0 writes it
+        psize = torch.empty((), dtype=engine.precision.param_dtype).element_size()
+        master = 0 if psize == 4 and not engine.offload_optimizer.offloaded else 4
+        total = 0
+        for t in part.master_params():
+            st = engine.optimizer.state.get(t, {})
+            total += t.numel() * (psize + master) + sum(
+                v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.shape == t.shape)
+        return total
+    except Exception:                            # noqa: BLE001 - an estimate never blocks a save
+        return 0
+
+
+def _previous_bytes(save_dir: Path) -> int:
+    """The size of the newest complete checkpoint in ``save_dir`` (0 if none)."""
+    try:
+        files = read_manifest(resolve(save_dir))["files"].values()
+        return sum(int(e.get("size", 0)) for e in files)
+    except (CheckpointError, OSError, ValueError, TypeError):
+        return 0
+
+
+def _unchanged(save_dir: Path) -> str:
+    latest = save_dir / LATEST
+    return f"{latest} still names the previous one" if latest.is_file() else "no checkpoint was written"
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
     """Write ``engine``'s complete training state; every rank must call it. Returns the path."""
-    engine._require_states("save_checkpoint")
     comm = engine.run.comm
     rank = comm.rank
     save_dir = Path(save_dir)
+    try:
+        engine.partitioner.wait_optimizer()     # an optimizer step still running must end first
+    except Exception as exc:                     # noqa: BLE001 - it failed: recorded just below
+        engine.run.failed = engine.run.failed or f"the optimizer step failed ({type(exc).__name__}: {exc})"
+    # Note: every rank learns whether any rank's step failed (and the sizes) before any
+    # writes, so that all refuse together rather than wait for each other.
+    status = comm.all_gather_object({"failed": engine.run.failed, "bytes": _estimate_bytes(engine)})
+    failed = next((st["failed"] for st in status if st["failed"]), None)
+    if failed is not None:
+        raise StepFailedError("save_checkpoint", failed if engine.run.failed else f"on another rank, {failed}")
+    engine._require_states("save_checkpoint")
     client_state = {} if client_state is None else client_state
     tag = str(tag) if tag is not None else f"global_step{engine.global_step}"
     if engine.micro_steps_in_window:
@@ -193,18 +240,24 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                     "the gradients accumulated so far are not saved", engine.micro_step)
 
     plan = None
+    need = sum(st["bytes"] for st in status)
     if rank == 0:
         try:
             _check_tag(tag)
-            save_dir.mkdir(parents=True, exist_ok=True)
+            locked = checkpoint_dir.hold(save_dir, engine)   # refused if another run writes there
+            need = max(need, _previous_bytes(save_dir))
+            checkpoint_dir.check_space(save_dir, need)
             tmp_name = f"{TMP_PREFIX}{tag}-{secrets.token_hex(4)}"
-            (save_dir / tmp_name).mkdir()
-            plan = {"tmp": tmp_name, "tag": tag}
+            try:
+                (save_dir / tmp_name).mkdir()
+            except OSError as exc:
+                raise CheckpointError(checkpoint_dir.os_error_message(exc, save_dir / tmp_name, "creating")) from None
+            plan = {"tmp": tmp_name, "tag": tag, "locked": locked, "need": need}
         except (OSError, CheckpointError) as exc:
             plan = {"error": str(exc)}
     plan = comm.broadcast_object(plan, src=0)
     if "error" in plan:
-        raise CheckpointError(f"cannot save checkpoint in {save_dir}: {plan['error']}")
+        raise CheckpointError(f"checkpoint {tag!r} was not saved: {plan['error']}; {_unchanged(save_dir)}")
     tag, tmp = plan["tag"], save_dir / plan["tmp"]
 
     fname = rank_file_name(rank)
@@ -219,14 +272,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                   "error": None}
     except Exception as exc:    # every rank must reach the exchange below, or the others hang
         failure = exc
-        report = {"rank": rank, "file": fname, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+        why = (checkpoint_dir.os_error_message(exc, tmp / fname, "writing", plan["need"])
+               if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
+        report = {"rank": rank, "file": fname, "error": f"rank {rank}: {why}"}
     reports = comm.all_gather_object(report)
     errors = [r["error"] for r in reports if r["error"]]
     if errors:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"checkpoint {tag!r} was not saved ({errors[0]}); "
-                              f"{save_dir / LATEST} still names the previous one") from failure
+        raise CheckpointError(f"checkpoint {tag!r} was not saved ({errors[0]}); {_unchanged(save_dir)}") from failure
 
     final = save_dir / tag
     status = None
@@ -250,12 +304,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             _install(tmp, final)
             if save_latest:
                 atomic_write_text(save_dir / LATEST, tag)
-            removed = prune(save_dir, engine.config.checkpoint.keep_last, keep={tag})
+            removed = prune(save_dir, engine.config.checkpoint.keep_last, keep={tag}, stale_tmp=plan["locked"])
             if removed:
                 log.info("[zeroplug] removed old checkpoints %s", ", ".join(removed))
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            status = f"{type(exc).__name__}: {exc}"
+            status = (checkpoint_dir.os_error_message(exc, save_dir, "installing the checkpoint in")
+                      if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
             failure = exc
     status = comm.broadcast_object(status, src=0)
     if status is not None:
@@ -267,12 +322,20 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Restore ``engine`` from a checkpoint (every rank must call it); returns (path, client_state)."""
-    engine._require_states("load_checkpoint")
+    """Restore ``engine`` from a checkpoint (every rank must call it); returns (path, client_state).
+    A full load (optimizer states included) is also how an engine whose step failed gets a
+    whole state back."""
+    failed, engine.run.failed = engine.run.failed, None
+    try:
+        engine._require_states("load_checkpoint")
+    finally:
+        engine.run.failed = failed
     comm = engine.run.comm
     path = resolve(load_dir, tag)
     manifest = read_manifest(path)
     verify(path, manifest, comm)
+    if failed is not None:
+        _reset_after_failure(engine)
     shards = ShardSet(path, manifest)
     engine.partitioner.release_all()
     _partitioner_call(engine, "load_checkpoint_state")(
@@ -295,8 +358,63 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     client_state = own["client_state"]
     del own
     comm.barrier()
+    if load_optimizer_states and not load_module_only:
+        engine.run.failed = None    # every state is the checkpoint's now
     return str(path), client_state
 
 
-__all__ = ["CheckpointError", "atomic_torch_save", "load", "save_checkpoint", "load_checkpoint",
+def resume(engine, load_dir, tag=None, fallback: bool = False):
+    """Load the checkpoint to continue from; every rank must call it. Returns ``(path,
+    client_state)``, or None when ``load_dir`` holds no checkpoint at all.
+
+    ``tag`` None means the one ``latest`` names. When that cannot be loaded (``latest``
+    missing or corrupt, the tag missing or failing verification), ``fallback`` loads the
+    newest checkpoint that verifies instead (logged); without it the
+    :class:`CheckpointError` says what is wrong and its ``newest`` attribute names that
+    checkpoint (None if none verifies). An unverified checkpoint is never loaded."""
+    comm = engine.run.comm
+    root = Path(load_dir)
+    empty = None
+    if comm.rank == 0:
+        empty = not root.is_dir() or not ((root / LATEST).exists() or _has_tags(root))
+    if comm.broadcast_object(empty, src=0):
+        return None
+    try:
+        return load_checkpoint(engine, root, tag)
+    except CheckpointError as exc:
+        first = exc
+    found = newest_verified(root) if comm.rank == 0 else None
+    newest, problems = comm.broadcast_object(found, src=0)
+    if newest is not None and newest == (tag if tag is not None else _named_by_latest(root)):
+        newest = None               # it verifies, yet it does not load: no other to offer
+    if newest is None or not fallback:
+        err = CheckpointError(str(first))
+        err.newest, err.problems = newest, problems
+        raise err from None
+    log.warning("[zeroplug] %s; resuming from %s, the newest checkpoint that verifies", first, newest)
+    return load_checkpoint(engine, root, newest)
+
+
+def _named_by_latest(root: Path) -> str | None:
+    try:
+        return read_latest(root)
+    except (CheckpointError, OSError):
+        return None
+
+
+def _has_tags(root: Path) -> bool:
+    return any(not d.name.startswith(".") and (d / "manifest.json").is_file() for d in root.iterdir())
+
+
+def _reset_after_failure(engine) -> None:
+    """Before loading into an engine whose step failed: let whatever that step left in
+    flight finish (its errors are known already) and drop its gradients."""
+    try:
+        engine.partitioner.wait_optimizer()
+    except Exception:               # noqa: BLE001 - the failure the load repairs
+        pass
+    engine.partitioner.zero_grad()
+
+
+__all__ = ["CheckpointError", "atomic_torch_save", "load", "save_checkpoint", "load_checkpoint", "resume",
            "consolidate", "export", "prune", "resolve", "verify", "ShardSet", "PartWriter"]

@@ -96,10 +96,15 @@ class _HashingWriter:
 
     def __init__(self, f):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, b) -> int:
         self.sha.update(b)
-        n = self.f.write(b)
+        try:
+            n = self.f.write(b)
+        except OSError as exc:
+            self.error = exc        # torch.save reports it as "unexpected pos": keep the cause
+            raise
         self.size += len(memoryview(b).cast("B"))
         return n
 
@@ -108,12 +113,22 @@ class _HashingWriter:
 
 
 def write_torch_file(obj, path) -> tuple[int, str]:
-    """``torch.save`` ``obj`` into a new file, fsynced; returns (size, sha256) of its bytes."""
-    with open(path, "xb") as f:
-        w = _HashingWriter(f)
-        torch.save(obj, w)
-        f.flush()
-        os.fsync(f.fileno())
+    """``torch.save`` ``obj`` into a new file, fsynced; returns (size, sha256) of its bytes.
+    A failed write raises the ``OSError`` (ENOSPC, EIO, ...) with the file's path."""
+    w = None
+    try:
+        with open(path, "xb") as f:
+            w = _HashingWriter(f)
+            try:
+                torch.save(obj, w)
+            except RuntimeError:
+                if w.error is None:
+                    raise
+                raise w.error from None
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
     return w.size, w.sha.hexdigest()
 
 
@@ -202,27 +217,30 @@ def _tags_by_age(save_dir: Path) -> list[Path]:
             continue
         try:
             step = int(json.loads((d / MANIFEST).read_text()).get("global_step", -1))
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError, AttributeError):
             step = -1
         found.append((step, d.stat().st_mtime, d.name, d))
     return [d for *_, d in sorted(found)]
 
 
-def prune(save_dir, keep_last: int, keep=()) -> list[str]:
-    """Delete all but the ``keep_last`` newest checkpoints (and the tags in ``keep``) and
-    stale temporary directories of interrupted saves; returns the removed names."""
+def prune(save_dir, keep_last: int, keep=(), stale_tmp: bool = True) -> list[str]:
+    """Delete all but the ``keep_last`` newest checkpoints (and the tags in ``keep``) and,
+    with ``stale_tmp``, the temporary directories of interrupted saves; returns the removed
+    names. Note: only the holder of the directory's lock may pass ``stale_tmp``: it alone
+    writes there, so every temporary directory it did not make belongs to a dead run."""
     save_dir = Path(save_dir)
     removed = []
-    for d in save_dir.iterdir():
+    for d in save_dir.iterdir() if stale_tmp else ():
         if d.is_dir() and (d.name.startswith(TMP_PREFIX) or d.name.startswith(OLD_PREFIX)):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d.name)
     if keep_last > 0:
         tags = _tags_by_age(save_dir)
         keep = set(keep) | {d.name for d in tags[-keep_last:]}
-        latest = save_dir / LATEST
-        if latest.is_file():
-            keep.add(latest.read_text().strip())
+        try:
+            keep.add(read_latest(save_dir))
+        except (OSError, CheckpointError):
+            pass
         for d in tags:
             if d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
@@ -232,26 +250,70 @@ def prune(save_dir, keep_last: int, keep=()) -> list[str]:
 
 # --- reading -------------------------------------------------------------------------
 
+def plain_name(name) -> bool:
+    """A name that stays inside its directory: no separators, not hidden, not '..'."""
+    return (isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name
+            and "\0" not in name and not name.startswith(".") and name.isprintable())
+
+
+def read_latest(root: Path) -> str:
+    """The tag that ``<root>/latest`` names (CheckpointError if it is missing or garbage)."""
+    latest = root / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"no checkpoint in {str(root)!r}: there is no {LATEST!r} file "
+                              "(no save completed there); pass tag= to choose one")
+    data = latest.read_bytes()
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = None
+    if tag is None or not tag.isprintable():
+        raise CheckpointError(f"{str(latest)!r} is corrupt: {len(data)} bytes of binary data, not the name "
+                              "of a checkpoint")
+    if len(tag) > 255 or not plain_name(tag):
+        raise CheckpointError(f"{str(latest)!r} names {tag[:80]!r}, which is not a checkpoint tag in "
+                              f"{str(root)!r} (a plain name: no '/', not starting with '.')")
+    return tag
+
+
 def resolve(load_dir, tag=None) -> Path:
     """The directory of checkpoint ``tag`` under ``load_dir`` (``latest`` when tag is None).
-    ``load_dir`` may also be a tag directory itself (it holds a manifest)."""
+    ``load_dir`` may also be a tag directory itself (it holds a manifest). A tag that
+    leads outside ``load_dir`` (a path, or a symbolic link) is refused."""
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist")
     if tag is None:
         if (root / MANIFEST).is_file():
             return root
-        latest = root / LATEST
-        if not latest.is_file():
-            raise CheckpointError(f"no checkpoint in {str(root)!r}: there is no {LATEST!r} file "
-                                  "(no save completed there); pass tag= to choose one")
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or "\\" in tag or tag.startswith("."):
-            raise CheckpointError(f"{str(latest)!r} names {tag!r}, which is not a checkpoint tag")
+        tag = read_latest(root)
+    elif not plain_name(str(tag)):
+        raise CheckpointError(f"checkpoint tag {str(tag)!r}: use a plain name inside {str(root)!r}")
     path = root / str(tag)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(tag)!r} not found in {str(root)!r}")
+    if path.is_symlink() or path.resolve().parent != root.resolve():
+        raise CheckpointError(f"checkpoint {str(tag)!r} in {str(root)!r} is a link to "
+                              f"{str(path.resolve())!r}, outside the checkpoint directory; refused")
     return path
+
+
+def newest_verified(root) -> tuple[str | None, list[str]]:
+    """The newest checkpoint under ``root`` whose manifest and files verify (by global step,
+    then time) and what is wrong with each newer one. Hashes every file it checks."""
+    root = Path(root)
+    problems = []
+    if not root.is_dir():
+        return None, problems
+    for d in reversed(_tags_by_age(root)):
+        try:
+            path = resolve(root, d.name)
+            verify(path, read_manifest(path))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        return d.name, problems
+    return None, problems
 
 
 def read_manifest(path: Path) -> dict:
@@ -270,17 +332,26 @@ def read_manifest(path: Path) -> dict:
     if m.get("version", 0) > VERSION:
         raise CheckpointError(f"checkpoint {str(path)!r} has format version {m['version']}; this zeroplug "
                               f"reads up to {VERSION}: upgrade zeroplug")
+    files = m.get("files")
+    if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} lists no files")
+    for name in files:
+        if not plain_name(name):
+            raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} names the file {name!r}, which is "
+                                  "outside the checkpoint; refused")
     return m
 
 
 def _file_problem(path: Path, name: str, entry: dict, hash_it: bool) -> str | None:
     f = path / name
+    if f.is_symlink():
+        return f"checkpoint {str(path)!r}: file {name} is a symbolic link; refused"
     if not f.is_file():
         return f"checkpoint {str(path)!r}: file {name} is missing"
     size = f.stat().st_size
-    if size != entry["size"]:
-        return f"checkpoint {str(path)!r}: file {name} is corrupt (size {size}, manifest says {entry['size']})"
-    if hash_it and file_sha256(f) != entry["sha256"]:
+    if size != entry.get("size"):
+        return f"checkpoint {str(path)!r}: file {name} is corrupt (size {size}, manifest says {entry.get('size')})"
+    if hash_it and file_sha256(f) != entry.get("sha256"):
         return f"checkpoint {str(path)!r}: file {name} is corrupt (sha256 differs from the manifest)"
     return None
 

@@ -1,4 +1,4 @@
-"""``zeroplug train | export | plugins | estimate | convert | docs``.
+"""``zeroplug train | export | plugins | estimate | tune | report | convert | docs``.
 
 Config precedence everywhere: command line (``--section.key=value``) > file > defaults.
 Every configuration mistake prints ``error: ...`` and exits 2, without a traceback.
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import ZeroplugError
+from .errors import StepFailedError, ZeroplugError
 
 DEFAULT_CONFIG = Path(__file__).with_name("zero.toml")
 
@@ -55,14 +55,45 @@ class Progress:
                   file=sys.stderr, flush=True)
 
 
+def _read_config_file(path):
+    """The config at ``path`` as a raw dict; a file that is not text is named as such."""
+    from . import config as config_mod
+    p = Path(path)
+    if p.is_dir():
+        raise ZeroplugError(f"--config {str(p)!r} is a directory: pass a TOML file or a DeepSpeed JSON file")
+    if p.is_file():
+        data = p.read_bytes()
+        bad = [i for i in (data.find(b"\0"),) if i >= 0]
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad.append(exc.start)
+        if bad:
+            bad = min(bad)
+            raise ZeroplugError(f"--config {str(p)!r} is not a text file (binary data at byte {bad}): pass a "
+                                f"TOML file or a DeepSpeed JSON file")
+    return config_mod.read_file(p)
+
+
+def _check_train_args(args) -> None:
+    for flag, value, example in (("--steps", args.steps, 300), ("--seq", args.seq, 128),
+                                 ("--max-bytes", args.max_bytes, 1000000),
+                                 ("--collective-timeout", args.collective_timeout, 600)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ZeroplugError(f"{flag} {value}: must be a positive number (e.g. {flag} {example})")
+
+
 def cmd_train(args, overrides) -> int:
     import torch
 
+    from . import checkpoint_dir
     from . import config as config_mod
     from .comm import init_distributed_from_env
-    from .data import ByteBatches, load_text, stdlib_corpus
+    from .data import ByteBatches, load_text, min_corpus_bytes, stdlib_corpus
     from .engine import initialize
     from .models import GPT, get_preset
+
+    _check_train_args(args)
 
     device = args.device
     if device == "auto":
@@ -71,9 +102,9 @@ def cmd_train(args, overrides) -> int:
         raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_distributed_from_env(device)
+    init_distributed_from_env(device, args.collective_timeout)
     cfg_path = args.config or (Path("zero.toml") if Path("zero.toml").is_file() else DEFAULT_CONFIG)
-    raw = config_mod.read_file(cfg_path)
+    raw = _read_config_file(cfg_path)
     if device == "cuda" and "precision" not in raw and not any(o.startswith("--precision.") for o in overrides):
         overrides = ["--precision.plugin=bf16", *overrides]       # the GPU default
     from .engine import make_run
@@ -94,6 +125,14 @@ def cmd_train(args, overrides) -> int:
     except (OSError, KeyError, ValueError) as exc:
         raise ZeroplugError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
     seq = min(args.seq or mcfg.seq_len, mcfg.seq_len)
+    if len(corpus) < min_corpus_bytes(seq):
+        what = f"--data {args.data!r}" if args.data else "the corpus (--max-bytes)"
+        raise ZeroplugError(f"{what}: {len(corpus):,} bytes is too small for one training window of {seq + 1} "
+                            f"bytes plus a held-out part of one window: give at least {min_corpus_bytes(seq):,} "
+                            f"bytes of text, or a shorter --seq")
+    ck = cfg.checkpoint
+    if ck.dir:      # checked and locked before any training that a bad directory would lose
+        checkpoint_dir.hold_on_rank0(run.comm, ck.dir, args)
     torch.manual_seed(args.seed)
     model = GPT(mcfg)
     engine = initialize(model, cfg, device=device)
@@ -111,14 +150,11 @@ def cmd_train(args, overrides) -> int:
         engine.train()
         return loss
 
-    ck = cfg.checkpoint
     start = 0
     if args.resume:
-        if not ck.dir:
-            raise ZeroplugError("--resume needs a checkpoint directory: set [checkpoint] dir "
-                                "(e.g. --checkpoint.dir=ckpt)")
-        if (Path(ck.dir) / "latest").is_file():
-            path, client = engine.load_checkpoint(ck.dir)
+        got = _resume(engine, ck.dir, args.resume)
+        if got is not None:
+            path, client = got
             start = int(client.get("step", 0))
             if "data" in client:
                 data.load_state_dict(client["data"])
@@ -132,35 +168,88 @@ def cmd_train(args, overrides) -> int:
         if rank == 0 and not progress.tty:
             print(f"checkpoint {path}", file=sys.stderr, flush=True)
 
+    def log_eval(step: int, loss: float) -> None:     # held-out loss for monitors (csv, tensorboard)
+        for m in engine.monitors:
+            if hasattr(m, "write_eval"):
+                m.write_eval({"step": step, "eval_loss": loss})
+
     start_eval = eval_loss()
+    log_eval(start, start_eval)
+    eval_every = max(1, args.steps // 10)
     progress = Progress(args.steps, enabled=rank == 0)
     first = last = None
     gas = cfg.batch.gradient_accumulation_steps
     saved = start
-    for step in range(start, args.steps):
-        total = 0.0
-        for _ in range(gas):
-            x, y = next(data)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / gas
-        first = total if first is None else first
-        last = total
-        progress.update(step + 1, total)
-        if ck.dir and ck.every_n_steps and (step + 1) % ck.every_n_steps == 0:
-            save(step + 1)
-            saved = step + 1
-    if ck.dir and ck.every_n_steps and saved != args.steps:
-        save(args.steps)
+    try:
+        for step in range(start, args.steps):
+            total = 0.0
+            for _ in range(gas):
+                x, y = next(data)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / gas
+            first = total if first is None else first
+            last = total
+            progress.update(step + 1, total)
+            if (step + 1) % eval_every == 0 and step + 1 < args.steps:
+                log_eval(step + 1, eval_loss())
+            if ck.dir and ck.every_n_steps and (step + 1) % ck.every_n_steps == 0:
+                save(step + 1)
+                saved = step + 1
+        if ck.dir and ck.every_n_steps and saved != args.steps:
+            save(args.steps)
+    except ZeroplugError as exc:
+        if engine.run.failed is None or isinstance(exc, StepFailedError):
+            raise
+        where = (f"the last checkpoint in {ck.dir} (step {saved}) with --resume" if ck.dir and saved
+                 else "the start (no checkpoint was saved)")
+        raise ZeroplugError(f"{exc} The step failed part-way, so nothing is saved from it; once fixed, "
+                            f"continue from {where}") from None
+    except RuntimeError as exc:
+        if world == 1 or not _collective_failure(exc):
+            raise
+        first_line = str(exc).strip().splitlines()[0][-300:]
+        raise ZeroplugError(f"rank {rank}: a collective with the other ranks failed ({first_line}): another rank "
+                            f"died or stopped responding (torchrun's summary names it), so the job stops; "
+                            f"continue from the last checkpoint with --resume") from None
     end_eval = eval_loss()
+    log_eval(args.steps, end_eval)
     engine.close()
+    checkpoint_dir.release(args)
     if rank == 0 and first is not None:
         print(f"train loss: first step {first:.4f} -> last step {last:.4f}")
         print(f"held-out loss: start {start_eval:.4f} -> end {end_eval:.4f} "
               f"({'lower' if end_eval < start_eval else 'NOT lower'}; "
               f"{start_eval / math.log(2):.2f} -> {end_eval / math.log(2):.2f} bits per byte)")
     return 0
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """An error of the process group: a peer gone (connection closed or reset) or silent (timeout)."""
+    import torch.distributed as dist
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        s in text for s in ("gloo", "NCCL", "Timed out", "Connection closed", "Connection reset"))
+
+
+def _resume(engine, directory, choice):
+    """``--resume`` (the checkpoint ``latest`` names), ``--resume=auto`` (that one, else the
+    newest that verifies) or ``--resume=TAG``; None when the directory holds none yet."""
+    from .checkpoint import CheckpointError, resume
+    if not directory:
+        raise ZeroplugError("--resume needs a checkpoint directory: set [checkpoint] dir "
+                            "(e.g. --checkpoint.dir=ckpt)")
+    tag = None if choice in ("latest", "auto") else choice
+    try:
+        return resume(engine, directory, tag, fallback=choice == "auto")
+    except CheckpointError as exc:
+        newest = getattr(exc, "newest", None)
+        hint = (f"; the newest checkpoint that verifies is {newest!r}: continue from it with --resume=auto "
+                f"(or --resume={newest})" if newest else
+                f"; no other checkpoint in {directory} verifies: start without --resume, or set another "
+                f"checkpoint.dir" if hasattr(exc, "newest") else "")
+        raise ZeroplugError(f"--resume: {exc}{hint}") from None
 
 
 def cmd_export(args, overrides) -> int:
@@ -182,16 +271,26 @@ def cmd_plugins(args, overrides) -> int:
 
 def cmd_estimate(args, overrides) -> int:
     from .memory import GB, estimate_model_states
-    from .models import get_preset, param_count
-    n = int(float(args.params)) if args.params else param_count(get_preset(args.model))
-    print(f"model states per rank for {n:,} parameters, world size {args.world_size}, "
-          f"{'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    act = None
+    if args.params:
+        if args.micro_batch:
+            raise ZeroplugError("--micro-batch measures a model's activations: give --model, not --params")
+        n = int(float(args.params))
+    else:
+        from zeroplug.tools.probe import estimate_inputs
+        n, act = estimate_inputs(args.model, args.micro_batch, args.seq, args.device)
+    print(f"{'model states' if act is None else 'memory'} per rank for {n:,} parameters, world size "
+          f"{args.world_size}, {'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    if act is not None:
+        print(f"activations: {act.total / GB:.3f} GiB per rank for micro batch {args.micro_batch} x sequence "
+              f"{args.seq} ({act.how}); in the device column")
     print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}")
     for stage in (0, 1, 2, 3):
         for off_opt, off_par in ((False, False), (True, False), (True, True)):
             if off_par and stage < 3 or off_opt and stage == 0:
                 continue
-            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par)
+            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
+                                      act.total if act else 0.0)
             label = "param+optim" if off_par else "optim" if off_opt else "none"
             print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}")
     return 0
@@ -274,8 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
-    t.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in [checkpoint] dir (if there is one)")
+    t.add_argument("--collective-timeout", type=float, metavar="SECONDS",
+                   help="under torchrun: a collective that waits this long for another rank fails and "
+                        "ends the job (default: torch's, 30 min for gloo, 10 for NCCL)")
+    t.add_argument("--resume", nargs="?", const="latest", metavar="auto|TAG",
+                   help="continue from the checkpoint that [checkpoint] dir's 'latest' names (if there is "
+                        "one); =auto: or, if that one is missing or corrupt, from the newest that verifies; "
+                        "=TAG: from that one")
     t.set_defaults(fn=cmd_train)
     x = sub.add_parser("export", help="write a checkpoint's consolidated model state dict (.pt or .safetensors)")
     x.add_argument("checkpoint", help="a checkpoint directory (its 'latest' tag) or one tag's directory")
@@ -284,12 +388,20 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=cmd_export)
     sub.add_parser("plugins", help="list plugins, their versions, hooks and implementations").set_defaults(
         fn=cmd_plugins)
-    e = sub.add_parser("estimate", help="model-state memory per rank for each stage and offload")
-    e.add_argument("--model", default="1.3B", help="a model preset (default 1.3B)")
+    e = sub.add_parser("estimate", help="model-state (and, with --micro-batch, activation) memory per rank "
+                                        "for each stage and offload")
+    e.add_argument("--model", default="1.3B",
+                   help="a model preset (default 1.3B), a Hugging Face config.json, or module:function")
     e.add_argument("--params", help="parameter count instead of a preset, e.g. 6.7e9")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
+    e.add_argument("--micro-batch", type=int, help="measure the activations of this micro batch (a probe step)")
+    e.add_argument("--seq", type=int, default=1024, help="sequence length of the probe (default 1024)")
+    e.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"], help="where the probe runs")
     e.set_defaults(fn=cmd_estimate)
+    from zeroplug.tools import report, tune
+    tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core
+    report.add_parser(sub)
     c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
     c.add_argument("file")
     c.set_defaults(fn=cmd_convert)

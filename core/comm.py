@@ -9,6 +9,7 @@ overlap compute on GPU; gloo runs them on its own threads on CPU.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import os
 
 import torch
@@ -115,11 +116,24 @@ class Comm:
         return t.item()
 
 
-def init_distributed_from_env(device_type: str) -> bool:
-    """Start the default process group if torchrun's variables are set; True if distributed."""
+def init_distributed_from_env(device_type: str, timeout: float | None = None) -> bool:
+    """Start the default process group if torchrun's variables are set; True if distributed.
+    ``timeout`` (seconds): how long a collective waits for the other ranks before it fails
+    (torch's default when None)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend)
+        kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend, **kw)
+            return True
+        # Note: torchrun's agent serves one store to every attempt of the job, and the keys the
+        # killed attempt's ranks wrote (their addresses) stay in it; a restarted rank may read
+        # a dead peer's address there and fail ("Gloo connectFullMesh failed ... Connection
+        # refused"). A prefix per attempt keeps the attempts apart.
+        store, rank, world = next(dist.rendezvous("env://", **kw))
+        store = dist.PrefixStore(f"zeroplug/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     return True

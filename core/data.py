@@ -61,6 +61,17 @@ def load_text(path: str | os.PathLike) -> bytes:
     return data
 
 
+def min_corpus_bytes(seq_len: int, holdout: float = 0.05) -> int:
+    """The smallest corpus :class:`ByteBatches` can cut into training windows of
+    ``seq_len + 1`` bytes and (for ``eval_batch``) a held-out part of one window."""
+    n = seq_len + 1
+    if holdout > 0:
+        n = max(n, int((seq_len + 1) / holdout))
+    while not (n - int(n * holdout) >= seq_len + 1 and (holdout == 0 or int(n * holdout) >= seq_len + 1)):
+        n += 1
+    return n
+
+
 def _as_uint8(data: bytes | bytearray | torch.Tensor) -> torch.Tensor:
     if isinstance(data, torch.Tensor):
         return data.to(torch.uint8).flatten().cpu()
@@ -190,4 +201,4 @@ class RandomTokens:
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-__all__ = ["stdlib_corpus", "load_text", "ByteBatches", "RandomTokens"]
+__all__ = ["stdlib_corpus", "load_text", "min_corpus_bytes", "ByteBatches", "RandomTokens"]

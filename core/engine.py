@@ -21,8 +21,9 @@ import torch
 
 from . import config as config_mod
 from .comm import Comm
-from .errors import StateError
+from .errors import StateError, StepFailedError
 from .memory import device_memory, host_rss_bytes
+from .phases import PhaseClock
 from .registry import get_plugin_manager
 from .slots import RunContext
 
@@ -98,6 +99,7 @@ class Engine:
         self._loss_sum = None
         self._last_step_end = None
         self._timed = (0, 0.0)        # (steps, seconds) for the running average
+        self.phase_clock = PhaseClock(self.run.device)   # phase_* metrics on reported steps
         self._set_lr(self.scheduler.lr_at(0))
         self.hook.zeroplug_engine_created(engine=self)
 
@@ -108,6 +110,8 @@ class Engine:
             first = kwargs.get("input_ids", inputs[0] if inputs else None)
             if torch.is_tensor(first) and first.dim() >= 2:
                 self.tokens_per_sample = int(first.shape[1])
+        if torch.is_grad_enabled():   # a training forward, not an evaluation
+            self.phase_clock.mark("forward")
         self.partitioner.before_forward()
         return self.module(*inputs, **kwargs)
 
@@ -125,6 +129,7 @@ class Engine:
         after every micro-batch (DeepSpeed's loop; it steps at the boundary) or only at the
         boundary (the plain PyTorch loop); either way one optimizer step per window."""
         self._require_states("backward")
+        self.phase_clock.mark("backward")
         if self._last_step_end is None:
             self._last_step_end = time.perf_counter()
         gas = self.gradient_accumulation_steps
@@ -147,8 +152,20 @@ class Engine:
             return
         self.micro_steps_in_window = 0
         self.hook.zeroplug_step_begin(engine=self)
+        try:
+            self._boundary_step()
+        except BaseException as exc:
+            # Note: the sub-groups stepped before the error are updated and the rest are not;
+            # such a state must never be trained on or saved as if it were whole.
+            self.run.failed = self.run.failed or (
+                f"optimizer step {self.global_step + 1} failed ({type(exc).__name__}: {exc})")
+            raise
+
+    def _boundary_step(self) -> None:
         part = self.partitioner
+        self.phase_clock.mark("wait_gradients")
         part.finish_gradients()
+        self.phase_clock.mark("optimizer")
         scale = self.precision.loss_scale
         norm = math.sqrt(part.grad_norm_sq().item()) / scale   # one host sync per step
         overflow = not math.isfinite(norm)
@@ -192,6 +209,7 @@ class Engine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def _report(self, norm: float, lr: float, skipped: bool) -> None:
+        self.phase_clock.mark("other")     # the loop's own work until the next forward
         now = time.perf_counter()
         dt = now - (self._last_step_end or now)
         self._last_step_end = now
@@ -214,6 +232,7 @@ class Engine:
                            print=True)
         else:
             metrics["print"] = False
+        metrics.update(self.phase_clock.take(keep=metrics["print"]))
         self._loss_sum = None
         self.last_metrics = metrics
         self.hook.zeroplug_step_end(engine=self, metrics=metrics)
@@ -294,18 +313,23 @@ class Engine:
         self.hook.zeroplug_reload_states(engine=self)
 
     def _require_states(self, what: str) -> None:
+        if self.run.failed is not None:
+            raise StepFailedError(what, self.run.failed)
         if self.states_offloaded:
             raise StateError(f"engine.{what}() called while states {sorted(self.states_offloaded)} are "
                              f"offloaded; call engine.reload_states() first")
 
     def close(self) -> None:
         """Release offload files and buffers; monitors flush."""
+        from .checkpoint_dir import release
+        release(self)                   # the locks of the checkpoint directories it saved to
         self.partitioner.wait_optimizer()
         for m in self.monitors:
             m.close()
         self._mover.close()
         self.offload_optimizer.close()
         self.offload_param.close()
+        self.partitioner.close()      # its hooks on the model's parameters held every state alive
 
     # -- checkpoints (core/checkpoint.py) ------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:

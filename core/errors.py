@@ -30,3 +30,16 @@ class HostMemoryError(ZeroplugError, MemoryError):
 
 class StateError(ZeroplugError, RuntimeError):
     """An engine method was called in a state that does not allow it."""
+
+
+class StepFailedError(StateError):
+    """An optimizer step failed part-way (a disk error of the swap files, an exception in the
+    optimizer): some states may be updated and others not. The engine then refuses to train
+    on or to save that state until a checkpoint is loaded."""
+
+    def __init__(self, what: str, reason: str):
+        super().__init__(
+            f"engine.{what}() refused: {reason}. The model and optimizer states may be half updated, so "
+            f"they are neither trained on nor saved; resume from the last checkpoint "
+            f"(engine.load_checkpoint(dir), or zeroplug train --resume)")
+        self.reason = reason

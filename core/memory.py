@@ -4,6 +4,8 @@ The estimators follow the ZeRO accounting (bytes per parameter for model states,
 seed 001's ``estimate_zero{2,3}_model_states_mem_needs``): with Adam in mixed
 precision, 2 bytes of parameters + 2 of gradients (model dtype) + 12 of optimizer
 state (fp32 master, m, v) per parameter, divided across N ranks as the stage shards.
+Activations are not sharded by any stage: each rank holds its own micro-batch's, a figure
+that ``zeroplug estimate --micro-batch`` measures with a probe step (``zeroplug.tools.probe``).
 """
 from __future__ import annotations
 
@@ -45,16 +47,18 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def estimate_model_states(num_params: int, stage: int, world_size: int,
                           param_bytes: int = 2, offload_optimizer: bool = False,
-                          offload_param: bool = False) -> dict[str, float]:
-    """Bytes per rank on the device and on the host for the model states."""
+                          offload_param: bool = False, activations: float = 0.0) -> dict[str, float]:
+    """Bytes per rank on the device and on the host for the model states, plus ``activations``
+    (bytes of one micro-batch's activations, on the device whatever the stage)."""
     n = max(1, world_size)
     params = num_params * param_bytes / (n if stage >= 3 else 1)
     grads = num_params * param_bytes / (n if stage >= 2 else 1)
     optim = num_params * (12 if param_bytes != 4 else 8) / (n if stage >= 1 else 1)
     if param_bytes == 4:     # fp32: master is the parameter itself, states are m and v
         optim = num_params * 8 / (n if stage >= 1 else 1)
-    device = params * (not offload_param) + grads + optim * (not offload_optimizer)
+    device = params * (not offload_param) + grads + optim * (not offload_optimizer) + activations
     host = params * offload_param + optim * offload_optimizer
     if offload_optimizer:   # the fp32 gradient shard lives next to the optimizer states
         host += num_params * 4 / (n if stage >= 2 else 1)
-    return {"device": device, "host": host, "params": params, "grads": grads, "optim": optim}
+    return {"device": device, "host": host, "params": params, "grads": grads, "optim": optim,
+            "activations": activations}

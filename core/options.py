@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -28,9 +29,10 @@ AUTO = "auto"
 
 
 def opt(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-        alias: tuple[str, ...] = ()) -> Any:
-    """A dataclass field with documentation and limits."""
-    meta = {"help": help, "min": min, "max": max, "alias": alias}
+        above: float | None = None, below: float | None = None, alias: tuple[str, ...] = ()) -> Any:
+    """A dataclass field with documentation and limits (``min`` / ``max`` inclusive,
+    ``above`` / ``below`` exclusive). Numbers must be finite, whatever the limits."""
+    meta = {"help": help, "min": min, "max": max, "above": above, "below": below, "alias": alias}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use tuples for sequence defaults")
     return dataclasses.field(default=default, metadata=meta)
@@ -135,6 +137,20 @@ def check_keys(cls: type, table: dict, path: str) -> dict[str, str]:
     return aliases
 
 
+def _check_range(v: Any, value: Any, meta: dict, full: str) -> None:
+    """Finite, and within the field's limits (every element of a list)."""
+    for n in v if isinstance(v, tuple) else (v,):
+        if not isinstance(n, (int, float)) or isinstance(n, bool):
+            continue
+        if isinstance(n, float) and not math.isfinite(n):
+            raise ConfigError(f"{full} = {value!r} is not a finite number; give a finite value", key=full)
+        lo, hi, above, below = (meta.get(k) for k in ("min", "max", "above", "below"))
+        for limit, word, ok in ((lo, ">=", lo is None or n >= lo), (hi, "<=", hi is None or n <= hi),
+                                (above, ">", above is None or n > above), (below, "<", below is None or n < below)):
+            if not ok:
+                raise ConfigError(f"{full} = {value!r} is out of range: it must be {word} {limit}", key=full)
+
+
 def build_options(cls: type, table: dict, path: str) -> Any:
     """Validate ``table`` (the TOML table at ``path``) into an instance of ``cls``."""
     known = fields_of(cls)
@@ -151,16 +167,7 @@ def build_options(cls: type, table: dict, path: str) -> Any:
         except _Mismatch:
             raise ConfigError(f"{full} = {value!r} has the wrong type: expected {_describe(tp)}",
                               key=full) from None
-        lo, hi = f.metadata.get("min"), f.metadata.get("max")
-        nums = v if isinstance(v, tuple) else (v,)
-        for n in nums:
-            if isinstance(n, float) and n != n:
-                raise ConfigError(f"{full} = nan is not a number; give a finite value", key=full)
-            if isinstance(n, (int, float)) and not isinstance(n, bool):
-                if lo is not None and n < lo:
-                    raise ConfigError(f"{full} = {value!r} is out of range: it must be >= {lo}", key=full)
-                if hi is not None and n > hi:
-                    raise ConfigError(f"{full} = {value!r} is out of range: it must be <= {hi}", key=full)
+        _check_range(v, value, f.metadata, full)
         values[name] = v
     for name, (f, tp) in known.items():     # defaults too: `opt(5e8, ...)` on an int option
         if name not in values and f.default is not dataclasses.MISSING:
@@ -192,6 +199,10 @@ def option_docs(cls: type) -> list[tuple[str, str, str, str]]:
             extra.append(f">= {f.metadata['min']}")
         if f.metadata.get("max") is not None:
             extra.append(f"<= {f.metadata['max']}")
+        if f.metadata.get("above") is not None:
+            extra.append(f"> {f.metadata['above']}")
+        if f.metadata.get("below") is not None:
+            extra.append(f"< {f.metadata['below']}")
         if f.metadata.get("alias"):
             extra.append("alias: " + ", ".join(f.metadata["alias"]))
         help_ = f.metadata.get("help", "")

@@ -27,6 +27,10 @@ class RunContext:
     at_boundary: bool = True
     # ... and True on the first micro-step of an accumulation window
     first_micro_step: bool = True
+    # why the training state is no longer consistent (an optimizer step failed part-way;
+    # set by the engine, or by a partitioner whose step finishes after engine.step()
+    # returns); None while it is. Cleared by loading a checkpoint.
+    failed: str | None = None
     extras: dict = field(default_factory=dict)
 
     @property
@@ -139,6 +143,9 @@ class Monitor:
     def write(self, metrics: dict) -> None:
         pass
 
+    def write_eval(self, metrics: dict) -> None:
+        """Held-out metrics (``step``, ``eval_loss``) from a training loop that evaluates."""
+
     def close(self) -> None:
         pass
 
@@ -209,6 +216,10 @@ class Partitioner:
     def consolidated_state_dict(self, module: torch.nn.Module) -> dict | None:
         """The full model state dict on rank 0 (None on other ranks)."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Detach from the module (remove every hook ``setup`` placed): called by
+        ``engine.close()``, after which the engine's states can be freed."""
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds, by kind: ``lp_params``, ``lp_grads``, ``hp_params``,

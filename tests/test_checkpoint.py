@@ -120,6 +120,11 @@ def train(engine, steps, world=1, rank=0) -> list[float]:
     return [train_step(engine, s, world, rank) for s in steps]
 
 
+def _names(d) -> list[str]:
+    """What a checkpoint directory holds, less the lock file of the run that writes it."""
+    return sorted(p.name for p in Path(d).iterdir() if p.name != ".zeroplug.lock")
+
+
 def close_rel(a, b, tol):
     return all(abs(x - y) <= tol * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b)) and len(a) == len(b)
 
@@ -277,7 +282,7 @@ def test_sigkill_during_save_keeps_previous(tmp_path):
     path, client = e.load_checkpoint(d)
     assert Path(path).name == "global_step1" and client == {"data_pos": 1}
     e.save_checkpoint(d)                  # the next save removes the stale temporary directory
-    assert not [p for p in d.iterdir() if p.name.startswith(".")]
+    assert [p.name for p in d.iterdir() if p.name.startswith(".")] == [".zeroplug.lock"]   # (e holds it)
 
 
 # --- atomicity and verification, in process ---------------------------------------------------
@@ -298,13 +303,13 @@ def test_failed_write_leaves_previous(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="No space left"):
         e.save_checkpoint(tmp_path, client_state={"n": 3})
     assert (tmp_path / "latest").read_text() == "global_step2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "latest"]   # no half directory
+    assert _names(tmp_path) == ["global_step2", "latest"]   # no half directory
     # a failure after all files are written (e.g. the manifest) is no different
     monkeypatch.setattr(checkpoint, "write_torch_file", real)
     monkeypatch.setattr(checkpoint, "write_manifest", lambda *a: (_ for _ in ()).throw(OSError("injected")))
     with pytest.raises(CheckpointError, match="injected"):
         e.save_checkpoint(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "latest"]
+    assert _names(tmp_path) == ["global_step2", "latest"]
     e2 = make(CONFIGS["stage2"], seed=3)
     assert e2.load_checkpoint(tmp_path)[1] == {"n": 2}
     got = e2.consolidated_state_dict()
@@ -315,7 +320,7 @@ def test_client_state_must_be_plain(tmp_path):
     e = make(CONFIGS["stage1"])
     with pytest.raises(CheckpointError, match=r"client_state\['it'\] is a .*object"):
         e.save_checkpoint(tmp_path, client_state={"it": object()})
-    assert not (tmp_path / "latest").exists() and not [p for p in tmp_path.iterdir()]
+    assert not (tmp_path / "latest").exists() and _names(tmp_path) == []
 
 
 def _saved(tmp_path, config="stage1"):
@@ -374,7 +379,7 @@ def test_saving_to_an_existing_tag_replaces_it(tmp_path):
     e.save_checkpoint(tmp_path, tag="t")
     train(e, range(1, 2))
     e.save_checkpoint(tmp_path, tag="t")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t"]
+    assert _names(tmp_path) == ["latest", "t"]
     e2 = make(CONFIGS["stage2"])
     e2.load_checkpoint(tmp_path)
     assert e2.global_step == 2
@@ -387,7 +392,7 @@ def test_keep_last(tmp_path):
         train(e, [s])
         e.save_checkpoint(tmp_path)
     e.save_checkpoint(tmp_path, tag="named")            # newest (same step as global_step4)
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = _names(tmp_path)
     assert names == ["global_step4", "latest", "named"]
     assert (tmp_path / "latest").read_text() == "named"
 
@@ -476,7 +481,7 @@ def test_cli_export_and_train_resume(tmp_path, capsys):
     full = capsys.readouterr().out
     ck = f"--checkpoint.dir={tmp_path / 'ck'}"
     assert main([*common, "--steps", "3", ck, "--checkpoint.every_n_steps=2", "--checkpoint.keep_last=1"]) == 0
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step3", "latest"]
+    assert _names(tmp_path / "ck") == ["global_step3", "latest"]
     capsys.readouterr()
     assert main([*common, "--steps", "5", ck, "--checkpoint.every_n_steps=2", "--resume"]) == 0
     resumed = capsys.readouterr().out

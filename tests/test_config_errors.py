@@ -64,7 +64,7 @@ BAD_DICTS = [
     ("loss-scale-window-zero", {"precision": {"plugin": "fp16", "loss_scale_window": 0}}, None, 1,
      "precision.loss_scale_window", ["precision.loss_scale_window", ">= 1"]),
     ("betas-above-one", {"optimizer": {"betas": [0.9, 1.5]}}, None, 1, "optimizer.betas",
-     ["optimizer.betas", "1.5", "out of range", "<= 1"]),
+     ["optimizer.betas", "1.5", "out of range", "< 1"]),
     ("literal-not-allowed", {"scheduler": {"plugin": "warmup", "warmup_type": "cosine"}}, None, 1,
      "scheduler.warmup_type", ["scheduler.warmup_type", "'cosine'", "'log' or 'linear'"]),
     ("batch-size-mismatch", {"batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 2,

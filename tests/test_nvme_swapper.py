@@ -254,32 +254,47 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _fake_dir(base, pid, host=None, nbytes=3 * 4096, marker=True):
-    d = base / f"zeroplug-swap-{pid}-abcd1234"
+def _fake_dir(base, pid, nbytes=3 * 4096, lock=True, name=None):
+    """A swap directory as a run leaves it: files and a lock file naming its holder."""
+    d = base / (name or f"zeroplug-swap-{pid}-abcd1234")
     d.mkdir()
     (d / "000001-x.swp").write_bytes(b"\1" * nbytes)
-    if marker:
-        (d / ".owner").write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "start": None}))
+    if lock:
+        (d / ".lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
     return d
 
 
+HOLD = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); " \
+       "print('held', flush=True); sys.stdin.read()"
+
+
 def test_stale_directory_removed_at_next_start(tmp_path, caplog):
+    """The lock decides, never the pid: a free lock is a dead run whatever its pid says; a
+    held one is alive even when its pid names no process here (another pid namespace)."""
     dead = _dead_pid()
     stale = _fake_dir(tmp_path, dead, nbytes=5 * 2**20)
-    other_host = tmp_path / "other"
-    other_host.mkdir()
-    foreign = _fake_dir(other_host, dead, host="some-other-machine")
-    mine_alive = tmp_path / "alive"
-    mine_alive.mkdir()
-    alive = _fake_dir(mine_alive, os.getppid())
-    with caplog.at_level(logging.WARNING, logger="zeroplug"):
-        with small(tmp_path) as sw:
-            assert not stale.exists()
-            assert [os.path.basename(sw.path)] == swap_dirs(tmp_path)
-    msg = " ".join(r.getMessage() for r in caplog.records)
-    assert str(stale) in msg and "5.0 MiB" in msg and str(dead) in msg
-    assert clean_stale(str(other_host)) == [] and foreign.exists()      # another host's run
-    assert clean_stale(str(mine_alive)) == [] and alive.exists()        # a running process
+    alive = _fake_dir(tmp_path, dead, name="zeroplug-swap-1-0123abcd")    # pid 1: ours is init
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(alive / ".lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        unlocked = _fake_dir(tmp_path, dead, lock=False, name="zeroplug-swap-7-00000000")   # an older zeroplug's
+        killed_early = _fake_dir(tmp_path, dead, lock=False, name=f".zeroplug-swap-{dead}-11111111.new")
+        os.utime(killed_early, (0, 0))                       # a creation killed long ago
+        young = _fake_dir(tmp_path, dead, lock=False, name=f".zeroplug-swap-{dead}-22222222.new")
+        with caplog.at_level(logging.WARNING, logger="zeroplug"):
+            with small(tmp_path) as sw:
+                assert not stale.exists() and not killed_early.exists()
+                assert alive.exists() and unlocked.exists() and young.exists()
+                assert sorted(swap_dirs(tmp_path)) == sorted([os.path.basename(sw.path), alive.name, unlocked.name])
+                assert os.path.isfile(os.path.join(sw.path, ".lock"))
+        msg = " ".join(r.getMessage() for r in caplog.records)
+        assert str(stale) in msg and "5.0 MiB" in msg and f"pid {dead}" in msg and "lock was free" in msg
+        assert f"{unlocked} has no lock file" in msg
+        assert clean_stale(str(tmp_path)) == [] and alive.exists()
+    finally:
+        holder.communicate("")
+    assert [d for d, _ in clean_stale(str(tmp_path))] == [str(alive)]        # its holder has exited
 
 
 # --- errors: clear messages, tensors intact -------------------------------------------------

@@ -1,4 +1,5 @@
-"""Monitors: one metrics line per ``steps_per_print`` steps (stdout) or a CSV file."""
+"""Monitors: one metrics line per ``steps_per_print`` steps (stdout), a CSV file, or
+TensorBoard event files (``zeroplug report`` draws a picture from either file)."""
 from __future__ import annotations
 
 import csv
@@ -8,10 +9,14 @@ from dataclasses import dataclass
 from zeroplug import hookimpl
 from zeroplug.memory import GB
 from zeroplug.options import opt
+from zeroplug.phases import PHASES
 from zeroplug.slots import Monitor
 
+from .tensorboard import TensorBoard
+
 FIELDS = ("step", "loss", "lr", "loss_scale", "grad_norm", "samples_per_sec", "avg_samples_per_sec",
-          "tokens_per_sec", "mem_allocated", "max_mem_allocated", "host_rss", "skipped_steps")
+          "tokens_per_sec", "mem_allocated", "max_mem_allocated", "host_rss", "skipped_steps",
+          *(f"phase_{p}" for p in PHASES), "eval_loss")
 
 
 def format_line(m: dict) -> str:
@@ -37,7 +42,7 @@ class Stdout(Monitor):
 
 
 class CSVMonitor(Monitor):
-    """Rank 0 appends one row per steps_per_print steps to a CSV file."""
+    """Rank 0 appends one row per steps_per_print steps to a CSV file (and one per evaluation)."""
     @dataclass(frozen=True)
     class Options:
         path: str = opt("zeroplug_metrics.csv", "The CSV file (created, or appended to).")
@@ -50,12 +55,19 @@ class CSVMonitor(Monitor):
         if self.run.rank != 0:
             return
         if self._file is None:
-            self._file = open(self.options.path, "a", newline="")
-            self._writer = csv.DictWriter(self._file, FIELDS, extrasaction="ignore")
-            if self._file.tell() == 0:
+            # Note: an evaluation row holds only step and eval_loss; readers skip empty cells.
+            self._file = open(self.options.path, "a+", newline="")
+            self._file.seek(0)
+            header = next(csv.reader(self._file), None)     # appending: keep the file's columns
+            self._file.seek(0, 2)
+            self._writer = csv.DictWriter(self._file, header or FIELDS, extrasaction="ignore")
+            if not header:
                 self._writer.writeheader()
         self._writer.writerow(metrics)
         self._file.flush()
+
+    def write_eval(self, metrics):
+        self.write(metrics)
 
     def close(self):
         if self._file is not None:
@@ -74,4 +86,5 @@ class Quiet(Monitor):
 def zeroplug_register_monitors(register):
     register("stdout", Stdout)
     register("csv", CSVMonitor)
+    register("tensorboard", TensorBoard)
     register("none", Quiet)

@@ -53,6 +53,10 @@ def explain(exc: OSError, path: str, action: str, note: str = "") -> SwapError:
     """An ``OSError`` as a :class:`SwapError` naming the path, the errno meaning and the fix."""
     e = exc.errno if exc.errno is not None else errno.EIO
     cls, fix = _FIXES.get(e, (SwapIOError, "check the disk and nvme_path"))
+    if e == errno.ENOENT and os.path.basename(os.path.dirname(path)).startswith("zeroplug-swap-"):
+        cls, fix = SwapIOError, ("this run's swap file is gone: something outside this run removed its swap "
+                                 "directory (a cleanup script, or a tool that ignores the directory's lock), "
+                                 "and the states in it are lost; resume from the last checkpoint")
     meaning = f"{errno.errorcode.get(e, 'errno ' + str(e))} ({os.strerror(e)})"
     msg = f"NVMe swap: {action} failed at {path}: {meaning}. Fix: {fix}."
     if note:

@@ -1,12 +1,15 @@
 """The swapper's private directory: creation, stale directories, cleanup at exit / SIGTERM.
 
 Files live in a private directory ``zeroplug-swap-<pid>-<random>`` (0700, files 0600)
-under ``nvme_path``. It is removed by :meth:`AsyncSwapper.close`, at interpreter exit
-(atexit), on SIGTERM (the handler cleans up, then chains to the previous handler or
-re-raises the default action) and by ``with AsyncSwapper(...)`` on an exception. A
-directory left by a run that was killed (SIGKILL, a crash) is found and removed at the
-next start under the same ``nvme_path``. A forked child (a DataLoader worker) never
-removes its parent's directory.
+under ``nvme_path``, which holds a lock file (``.lock``, :mod:`zeroplug.locks`) that the
+run keeps locked while it lives. The directory is removed by :meth:`AsyncSwapper.close`,
+at interpreter exit (atexit), on SIGTERM (the handler cleans up, then chains to the
+previous handler or re-raises the default action) and by ``with AsyncSwapper(...)`` on an
+exception. A directory left by a run that was killed (SIGKILL, a crash) has a free lock:
+it is removed when a swapper starts or closes under the same ``nvme_path``. Only the
+lock decides, never the pid in the name, so a run in another pid namespace (a container)
+or on another host sharing the filesystem is never taken for a dead one. A forked child
+(a DataLoader worker) never removes its parent's directory.
 """
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from zeroplug.errors import ConfigError
+from zeroplug.locks import UNSUPPORTED, holder_record, read_holder, try_lock
 from zeroplug.memory import GB
 
 from .errors import SwapPathError, explain
@@ -36,26 +39,9 @@ log = logging.getLogger("zeroplug")
 
 DIR_PREFIX = "zeroplug-swap-"
 _DIR_RE = re.compile(r"^zeroplug-swap-(\d+)-[0-9a-f]+$")
-_OWNER = ".owner"
-
-
-def _proc_start(pid: int) -> str | None:
-    """The start time of a process (clock ticks since boot), to tell a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_NEW_RE = re.compile(r"^\.zeroplug-swap-(\d+)-[0-9a-f]+\.new$")     # being created
+LOCK = ".lock"
+_WARNED_UNLOCKED: set[str] = set()
 
 
 def _tree_bytes(path: str) -> int:
@@ -92,70 +78,101 @@ def check_path(nvme_path: str, key: str = "nvme_path") -> str:
     return path
 
 
+def _remove_stale(d: str, lock, rec: dict | None, why: str) -> tuple[str, int] | None:
+    size = _tree_bytes(d)
+    shutil.rmtree(d, ignore_errors=True)
+    if lock is not None:
+        lock.release(remove=False)          # the file went with the directory
+    who = f"pid {rec.get('pid', '?')} on host {rec.get('host', '?')}" if rec else "an unknown process"
+    if os.path.exists(d):
+        log.warning("NVMe swap: found the stale swap directory %s (%s) of %s, but could not remove it; remove "
+                    "it by hand", d, _fmt_bytes(size), who)
+        return None
+    log.warning("NVMe swap: removed the stale swap directory %s (%s) left by a run that ended without cleaning "
+                "up (%s; %s)", d, _fmt_bytes(size), who, why)
+    return d, size
+
+
 def clean_stale(nvme_path: str) -> list[tuple[str, int]]:
-    """Remove swap directories under ``nvme_path`` whose process is gone; returns (dir, bytes)."""
+    """Remove the swap directories under ``nvme_path`` that no live process holds (their
+    lock can be taken); returns (dir, bytes) of each. A lock says whether its holder
+    lives in any pid namespace and, where the filesystem has locks, on any host."""
     removed = []
-    host = socket.gethostname()
     try:
         names = os.listdir(nvme_path)
     except OSError:
         return removed
     for name in names:
-        m = _DIR_RE.match(name)
-        if not m:
+        staging = _NEW_RE.match(name)
+        if not (staging or _DIR_RE.match(name)):
             continue
         d = os.path.join(nvme_path, name)
-        pid = int(m.group(1))
-        try:
-            with open(os.path.join(d, _OWNER)) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            owner = None
-        if owner is not None:
-            if owner.get("host") != host:
-                continue            # another machine's run on a shared filesystem
-            start = owner.get("start")
-            stale = not _alive(pid) or (start is not None and _proc_start(pid) not in (None, start))
-        else:
-            try:                    # no marker: being created right now, or killed right then
-                young = time.time() - os.lstat(d).st_mtime < 60
+        lock_path = os.path.join(d, LOCK)
+        if not os.path.lexists(lock_path):
+            try:                    # a directory being created, or whose creation was killed
+                old = time.time() - os.lstat(d).st_mtime > 60
             except OSError:
                 continue
-            stale = not young and not _alive(pid)
-        if not stale:
+            if staging and old:
+                found = _remove_stale(d, None, None, "killed while it was being created")
+                removed += [found] if found else []
+            elif not staging and name not in _WARNED_UNLOCKED:
+                _WARNED_UNLOCKED.add(name)
+                log.warning("NVMe swap: %s has no lock file (an older zeroplug made it), so whether its run "
+                            "still lives is unknown; it is left alone: remove it by hand once no run uses it", d)
             continue
-        size = _tree_bytes(d)
-        shutil.rmtree(d, ignore_errors=True)
-        if os.path.exists(d):
-            log.warning("NVMe swap: found the stale swap directory %s (%s) of a run that ended without "
-                        "cleaning up (pid %d), but could not remove it; remove it by hand", d,
-                        _fmt_bytes(size), pid)
+        try:
+            lock = try_lock(lock_path, create=False, record=False)
+        except OSError as exc:      # no locks on this filesystem, or not ours to open: cannot tell
+            log.debug("NVMe swap: cannot test the lock of %s (%s); left alone", d, exc)
             continue
-        log.warning("NVMe swap: removed the stale swap directory %s (%s) left by a run that ended without "
-                    "cleaning up (pid %d is gone)", d, _fmt_bytes(size), pid)
-        removed.append((d, size))
+        if lock is None:
+            continue                # held: its run is alive
+        found = _remove_stale(d, lock, read_holder(lock_path), "its lock was free")
+        removed += [found] if found else []
     return removed
 
 
-def _make_run_dir(base: str) -> str:
+def _make_run_dir(base: str):
+    """Create this run's private directory, locked: ``(path, lock)``. It is made under a
+    hidden name, locked, then renamed, so a directory under the final name always has a
+    lock file (held while the run lives)."""
     for _ in range(100):
-        d = os.path.join(base, f"{DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        name = f"{DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        staging, final = os.path.join(base, f".{name}.new"), os.path.join(base, name)
         try:
-            os.mkdir(d, 0o700)
+            os.mkdir(staging, 0o700)
         except FileExistsError:
             continue
         except OSError as exc:
             raise explain(exc, base, "creating the swap directory") from None
+        lock = None
         try:
-            os.chmod(d, 0o700)      # whatever the umask
-            fd = os.open(os.path.join(d, _OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(),
-                           "start": _proc_start(os.getpid())}, f)
+            os.chmod(staging, 0o700)      # whatever the umask
+            try:
+                lock = try_lock(os.path.join(staging, LOCK), mode=0o600)
+            except OSError as exc:
+                if exc.errno not in UNSUPPORTED:
+                    raise
+                log.warning("NVMe swap: the filesystem of %s keeps no file locks (%s): a directory this run "
+                            "leaves behind (SIGKILL) is never removed automatically", base,
+                            errno.errorcode.get(exc.errno, exc.errno))
+                fd = os.open(os.path.join(staging, LOCK), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(holder_record(), f)
+            else:
+                if lock is None:          # taken by a cleaner in the instant before: start again
+                    shutil.rmtree(staging, ignore_errors=True)
+                    continue
+            os.rename(staging, final)
+            if lock is not None:
+                lock.path = os.path.join(final, LOCK)
         except OSError as exc:
-            shutil.rmtree(d, ignore_errors=True)
-            raise explain(exc, d, "writing into the swap directory") from None
-        return d
+            if lock is not None:
+                lock.release(remove=False)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise explain(exc, staging, "writing into the swap directory") from None
+        return final, lock
     raise SwapPathError(f"NVMe swap: could not create a unique directory under {base}", base)
 
 

@@ -127,6 +127,7 @@ class AsyncSwapper:
                               key="block_size")
         self._closed = True          # until fully started
         self._dir: str | None = None
+        self._dir_lock = None        # held while the directory exists (see swapdir)
         self._owner = os.getpid()
         self.base = check_path(nvme_path)
         clean_stale(self.base)
@@ -148,7 +149,7 @@ class AsyncSwapper:
         self._loop = None
         self._io = self._copy = None
         self._buffers: list[torch.Tensor] = []
-        self._dir = _make_run_dir(self.base)
+        self._dir, self._dir_lock = _make_run_dir(self.base)
         with _LIVE_LOCK:
             _LIVE[id(self)] = self
         _install_handlers()
@@ -315,12 +316,19 @@ class AsyncSwapper:
         with _LIVE_LOCK:
             _LIVE.pop(id(self), None)
         d, self._dir = self._dir, None
+        lock, self._dir_lock = self._dir_lock, None
         if d is None or os.getpid() != self._owner:
             return
         shutil.rmtree(d, ignore_errors=True)
         if os.path.exists(d):    # a straggling request created a file meanwhile
             time.sleep(0.05)
             shutil.rmtree(d, ignore_errors=True)
+        if lock is not None:
+            lock.release(remove=False)
+        try:                     # and what dead runs left here (a rank killed beside this one)
+            clean_stale(self.base)
+        except Exception:        # noqa: BLE001 - cleanup must not raise
+            pass
 
     def _submit(self, key, coro, nbytes: int) -> SwapFuture:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)

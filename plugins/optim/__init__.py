@@ -32,7 +32,7 @@ def _kernel_flags(implementation: str, device: torch.device) -> dict:
 @dataclass(frozen=True)
 class AdamBaseOptions:
     lr: float = opt(1e-3, "Learning rate (the peak, when a schedule warms up to it).", min=0.0)
-    betas: tuple[float, float] = opt((0.9, 0.999), "Adam's (beta1, beta2).", min=0.0, max=1.0)
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam's (beta1, beta2).", min=0.0, below=1.0)
     eps: float = opt(1e-8, "Added to the denominator for stability.", min=0.0)
     weight_decay: float = opt(0.0, "Weight decay (decoupled for adamw and adamw_mode, else L2).", min=0.0)
 

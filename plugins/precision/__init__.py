@@ -47,7 +47,7 @@ class FP16(Precision):
         hysteresis: int = opt(2, "Overflows tolerated before the scale is halved.", min=1)
         consecutive_hysteresis: bool = opt(False, "Refill the hysteresis after every clean step "
                                                   "(otherwise only when the scale grows).")
-        min_loss_scale: float = opt(1.0, "The scale never drops below this.", min=0.0)
+        min_loss_scale: float = opt(1.0, "The scale never drops below this.", above=0.0)
         reduce_dtype: Literal["fp32", "fp16"] = opt(
             "fp16", "Dtype in which gradients are summed across ranks (pre-divided by world size).")
 

@@ -272,6 +272,12 @@ class OffloadPath:
             return
         try:
             fut.result()
+        except BaseException as exc:
+            # the step ran on after engine.step() returned: the engine learns here that it
+            # failed part-way (RunContext.failed), and refuses to go on or to save
+            run = self.part.run
+            run.failed = run.failed or f"the overlapped optimizer step failed ({type(exc).__name__}: {exc})"
+            raise
         finally:
             if self.lane is not None:
                 self.lane.synchronize()

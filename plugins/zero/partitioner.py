@@ -75,6 +75,10 @@ class FlatPartitioner(Partitioner):
         # pair every collective with the same unit's on the other ranks.
         self._reduce_order = self.units[::-1]
         self._next_reduce = 0
+        # Note: one rank, sharded gradients, masters on this device: nothing to reduce, so
+        # each gradient is added straight into the fp32 master gradient as it is produced;
+        # no bucket (4 bytes per element of the unit) ever exists.
+        self._direct_grads = self.shard_grads and run.world_size == 1 and not offload_optimizer.offloaded
         self._make_masters()
         self.offload = None
         self.swap = None
@@ -87,6 +91,14 @@ class FlatPartitioner(Partitioner):
             self.swap.swap_out_all()        # the masters start on NVMe
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
+
+    def close(self) -> None:
+        # Note: a parameter's post-accumulate-grad hook is held by autograd's C++ side, which
+        # the garbage collector cannot see through: until it is removed, the bound method
+        # keeps this partitioner, and every buffer it owns, alive after the engine is gone.
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _prepare_module(self, module):
         for name, p in module.named_parameters():
@@ -288,7 +300,11 @@ class FlatPartitioner(Partitioner):
     def _on_grad(self, p) -> None:
         u = self.unit_of[p]
         i = u.position[p]
-        if self.shard_grads:
+        if self._direct_grads:
+            o, n = u.layout.offsets[i], u.layout.numels[i]
+            u.master.grad[o - u.lo:o - u.lo + n].view(u.layout.shapes[i]).add_(p.grad)
+            p.grad = None
+        elif self.shard_grads:
             o, n = u.layout.offsets[i], u.layout.numels[i]
             if u.bucket is None:
                 u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
@@ -322,6 +338,9 @@ class FlatPartitioner(Partitioner):
     def _reduce(self, u: Unit) -> None:
         world = self.comm.world_size
         u.reduced = True
+        if self._direct_grads:      # already in the master gradient
+            self._after_reduce(u)
+            return
         if self.shard_grads:
             buf, u.bucket = u.bucket, None
         else:
@@ -346,15 +365,22 @@ class FlatPartitioner(Partitioner):
             u.window_fresh = False
         else:
             self._pending.append((u, handle, out))
+            # Note: at most two reductions in flight (as DeepSpeed's double-buffered
+            # buckets): draining the older ones frees their buckets during backward
+            # instead of holding a gradient-sized buffer per unit until the step. For NCCL
+            # the wait only orders the stream; the host does not block.
             if not self.options.overlap_comm:
                 self._drain()
+            elif len(self._pending) > 2:
+                self._drain(len(self._pending) - 2)
         self._after_reduce(u)
 
     def _after_reduce(self, u: Unit) -> None:
         """Hook for stage 3: release the unit's gathered parameters."""
 
-    def _drain(self) -> None:
-        for u, handle, out in self._pending:
+    def _drain(self, count: int | None = None) -> None:
+        done = self._pending if count is None else self._pending[:count]
+        for u, handle, out in done:
             handle.wait()
             if not self.shard_grads:
                 if out is not u.grad_flat:
@@ -364,7 +390,7 @@ class FlatPartitioner(Partitioner):
             else:
                 part = out if out.numel() == u.hi - u.lo else out[u.lo:u.hi]
                 u.master.grad.add_(part.to(u.master.grad.device, non_blocking=True))
-        self._pending.clear()
+        del self._pending[:len(done)]
 
     def finish_gradients(self) -> None:
         self.wait_optimizer()

@@ -8,6 +8,11 @@ Timing: median step time (forward + backward + optimizer, synchronised) after tw
 warm-up steps; tokens/s = micro batch x seq / step time; peak GPU memory =
 torch.cuda.max_memory_allocated(); host memory = process RSS (and its peak).
 Under torchrun every rank runs; rank 0 prints per-GPU numbers.
+
+The same step as a pytest-benchmark suite (comparable across commits, with the in-run
+torch baseline): tests/benchmarks/test_bench_train_step.py. This script is the instrument
+behind docs/benchmarks.md's detailed figures: a synchronised phase breakdown, the NVMe
+I/O floor, the offload_states timings.
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One device call for issue E's numbers (the H100 machine). Logs in $OUT (default ./bench_out).
+# One device call for the NVMe figures (the H100 machine): the swapper suite, then training with the
+# optimizer states on NVMe through h100_bench.py (which adds the I/O floor), then a SIGTERM-ed run
+# and the check that the swap directory is left empty. Logs in $OUT (default ./bench_out).
 # Usage: [BIG=1.3B] [NO_DD=1 (skip swapper vs dd)] bash tests/benchmarks/nvme_suite.sh [nvme_path]
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
@@ -8,8 +10,9 @@ export PYTHONUNBUFFERED=1
 B=tests/benchmarks/h100_bench.py
 left() { echo "left in $P: $(find "$P" -type f | wc -l) files, $(find "$P" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}') bytes"; }
 if [ -z "${NO_DD:-}" ]; then
-echo "== swapper vs dd, 4 GiB each way"
-timeout 150 python3 tests/benchmarks/swapper_vs_dd.py --path "$P" --gib 4 --repeat 1 2>&1 | tee "$OUT/swapper_vs_dd.txt"
+echo "== swapper vs dd, 4 GiB each way (the swapper suite at the gpu size)"
+ZEROPLUG_BENCH_SIZE=gpu ZEROPLUG_BENCH_PATH="$P" timeout 150 python3 -m pytest -q tests/benchmarks/test_bench_swapper.py \
+  --benchmark-enable --benchmark-json "$OUT/swapper_vs_dd.json" 2>&1 | tail -8 | tee "$OUT/swapper_vs_dd.txt"
 left
 fi
 echo "== 350M, stage 3, parameters on CPU, optimizer states on NVMe (pipelined: the default)"

@@ -1,56 +1,43 @@
-"""pytest-benchmark: Mparams/s of cpu_adam vs torch.optim.AdamW (foreach / fused).
+"""pytest-benchmark: Mparams/s of cpu_adam against torch's AdamW (foreach, fused).
 
-CPU-sized by default (N = 4M elements, a quick plain test under --benchmark-disable);
-``ZEROPLUG_BENCH_N=268435456`` for the real size.  Run with
-``pytest tests/benchmarks/test_bench_cpu_adam.py --benchmark-enable``; the one-shot table
-with the roofline is ``python tests/benchmarks/cpu_adam_table.py``.
+    pytest tests/benchmarks/test_bench_cpu_adam.py --benchmark-enable
+
+N elements per tensor: 1M (``smallest``), 4M (``cpu``), 268M (``gpu``: the H100 machine's
+CPU; ``ZEROPLUG_BENCH_N`` overrides). Each row's ``extra_info``: Mparams/s, peak host memory
+and the ratio to torch's fused AdamW measured in the same run. The one-shot table with the
+memory-bandwidth rooflines is ``python tests/benchmarks/cpu_adam_table.py``.
 """
-
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import types
-from pathlib import Path
+import statistics
+import time
 
 import pytest
 import torch
+from bench_common import bench_size, record_ratio
+from cpu_adam_table import load_cpu_adam
 
-N = int(float(os.environ.get("ZEROPLUG_BENCH_N", 4 * 1024 * 1024)))
+from zeroplug.benchmarking.measure import peak_host_bytes, reset_peak_host
 
-
-def _load():
-    try:
-        from zeroplug.plugins.optim import cpu_adam
-
-        return cpu_adam
-    except Exception:  # load the files as a bare package (optim/__init__.py is not run)
-        pkg = types.ModuleType("_zeroplug_optim")
-        pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "plugins" / "optim")]
-        sys.modules[pkg.__name__] = pkg
-        return importlib.import_module("_zeroplug_optim.cpu_adam")
-
-
-ca = _load()
+N = int(float(os.environ.get("ZEROPLUG_BENCH_N", 0))) or {"smallest": 1 << 20, "cpu": 4 << 20,
+                                                          "gpu": 1 << 28}[bench_size()]
+ROUNDS = 5 if N <= (1 << 24) else 3
+ca = load_cpu_adam()
 
 
 def _setup(kind: str):
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(N, generator=gen))
     g = torch.randn(N, generator=gen) * 1e-2
-    if kind == "torch_foreach":
+    if kind in ("torch_foreach", "torch_fused"):
         p.grad = g
-        opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, foreach=True)
-        return opt.step, p
-    if kind == "torch_fused":
-        p.grad = g
-        opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, fused=True)
+        opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, **{kind[len("torch_"):]: True})
         return opt.step, p
     opt = ca.CPUAdam([p], lr=1e-4, weight_decay=0.01)
     if kind == "cpu_adam":
         return (lambda: opt.step_param(p, g)), p
-    # full offload update: bf16 gradient in, bf16 model copy out, one pass
+    # the full offload update: bf16 gradient in, bf16 model copy out, one pass
     g16 = g.to(torch.bfloat16)
     lp = torch.empty(N, dtype=torch.bfloat16)
 
@@ -61,16 +48,35 @@ def _setup(kind: str):
     return fn, p
 
 
-@pytest.mark.parametrize("kind", ["torch_foreach", "torch_fused", "cpu_adam", "cpu_adam_offload"])
-def test_adamw_step_throughput(benchmark, kind):
+def _rate(kind: str) -> float:
+    """Mparams/s of ``kind`` by a plain timing loop (the baseline, when its row was deselected)."""
+    fn, _ = _setup(kind)
+    fn()
+    times = []
+    for _ in range(ROUNDS):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return N / statistics.median(times) / 1e6
+
+
+@pytest.mark.parametrize("kind", ["torch_fused", "torch_foreach", "cpu_adam", "cpu_adam_offload"])
+def test_adamw_step_throughput(benchmark, baselines, kind):
+    reset_peak_host()
     fn, p = _setup(kind)
     fn()  # warm-up: state allocation and (cpu_adam) kernel compilation stay out of timing
     before = p.detach().clone()
     benchmark.extra_info["n"] = N
-    benchmark.pedantic(fn, rounds=5 if N <= (1 << 24) else 3, warmup_rounds=0, iterations=1)
+    benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=0, iterations=1)
     assert torch.isfinite(p).all() and not torch.equal(p.detach(), before)
     if kind == "cpu_adam_offload":
         assert torch.equal(fn.lp, p.detach().to(torch.bfloat16))
-    stats = getattr(benchmark, "stats", None)
-    if stats is not None and getattr(stats, "stats", None) is not None:
-        benchmark.extra_info["Mparams_per_s"] = N / stats.stats.median / 1e6
+    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+    if stats is None:          # --benchmark-disable: a correctness check only
+        return
+    rate = N / stats.median / 1e6
+    if kind == "torch_fused":
+        baselines[("cpu_adam", N)] = rate
+    benchmark.extra_info["baseline"] = "torch_fused"
+    benchmark.extra_info["peak_host_bytes"] = peak_host_bytes()
+    record_ratio(benchmark, baselines, ("cpu_adam", N), "Mparams_per_s", rate, lambda: _rate("torch_fused"))

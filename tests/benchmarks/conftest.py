@@ -1,0 +1,51 @@
+"""Sizes and in-run baselines for the benchmark suites.
+
+``ZEROPLUG_BENCH_SIZE`` picks the sizes: ``smallest`` (seconds: what CI runs, and the default
+under ``--benchmark-disable``, the plain test run), ``cpu`` (the default without CUDA: a minute
+or two on a laptop), ``gpu`` (the default with CUDA: the reference workload of
+shared/WORKLOAD.md and H100-class sizes). ``ZEROPLUG_BENCH_PATH`` is the
+directory the swap and disk benchmarks write to (default: the system's temporary directory).
+
+Under ``--benchmark-enable`` every benchmark runs with all of torch's CPU threads (the unit
+tests' conftest pins one); under ``--benchmark-disable`` each runs once, as a quick test.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_common import bench_size  # noqa: E402
+
+
+def _enabled(config) -> bool:
+    return not config.getoption("benchmark_disable", False) or config.getoption("benchmark_enable", False)
+
+
+def pytest_configure(config):
+    if not _enabled(config):     # the plain test run: each benchmark once, at the smallest size
+        os.environ.setdefault("ZEROPLUG_BENCH_SIZE", "smallest")
+    bench_size()                 # a wrong ZEROPLUG_BENCH_SIZE stops the run here
+
+_ALL_THREADS = os.cpu_count() or 1
+
+
+@pytest.fixture(autouse=True)
+def _benchmark_threads(request):
+    """All CPU threads while a benchmark is timed (restored after)."""
+    before = torch.get_num_threads()
+    if _enabled(request.config):
+        torch.set_num_threads(int(os.environ.get("ZEROPLUG_BENCH_THREADS", 0)) or _ALL_THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def baselines() -> dict:
+    """In-run baseline figures, by suite: the baseline's test stores its rate; the others
+    divide by it (and measure it themselves when it was deselected)."""
+    return {}

@@ -1,0 +1,153 @@
+"""`zeroplug tune`, `zeroplug estimate`'s activation term, the engine's step phases, the
+TensorBoard monitor and `zeroplug report`: real runs of the built-in GPT on the CPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import zeroplug
+from zeroplug.cli import main
+from zeroplug.models import GPT, GPTConfig
+from zeroplug.tools.probe import load_spec, measure_activations
+from zeroplug.tools.report import read_run
+
+TINY = ["--model", "char-tiny", "--micro-batch", "2", "--seq", "32", "--device", "cpu"]
+
+
+def test_tune_writes_a_commented_config_that_trains(tmp_path, capsys):
+    out = tmp_path / "zero.toml"
+    rc = main(["tune", *TINY, "--steps", "1", "--warmup", "0", "--nvme-path", str(tmp_path / "swap"),
+               "--out", str(out)])
+    assert rc == 0
+    text = out.read_text()
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    rows = {c: line for line in header for c in ("stage0 ", "stage1 ", "stage2 ", "stage3 ",
+                                                  "stage3 + optimizer and parameters on NVMe")
+            if line.startswith(f"# {c}")}
+    assert len(rows) == 5, header                    # every candidate has a row
+    assert sum("chosen: the fastest" in line for line in header) == 1
+    assert all("the device is the CPU" in line for line in header if "on CPU" in line)
+    assert "activations" in header[2] and "measured on cpu" in header[2]
+    cfg = zeroplug.load_config(str(out))             # the file is a valid config ...
+    chosen = next(line for line in header if "chosen: the fastest" in line)
+    assert chosen.startswith(f"# {cfg.slot('zero').name}")   # ... of the chosen candidate
+    assert cfg.batch.micro_batch_size == 2
+    assert main(["train", "--config", str(out), "--steps", "2", "--seq", "32", "--monitor.plugin=none"]) == 0
+
+
+def test_tune_rejects_what_does_not_fit_without_running_it(tmp_path, capsys):
+    out = tmp_path / "zero.toml"
+    rc = main(["tune", *TINY, "--activations-gib", "1e6", "--out", str(out)])
+    assert rc == 1
+    text = out.read_text()
+    assert "No candidate ran" in text
+    assert "rejected: estimated 1000000.0 GiB of host memory >" in text   # the CPU device: host memory
+    assert "rejected: no --nvme-path given" in text
+    assert "error: no candidate ran" in capsys.readouterr().err
+
+
+def test_tune_and_estimate_refuse_bad_input(tmp_path, capsys):
+    assert main(["tune", "--model", "no-such-model", "--out", str(tmp_path / "z.toml")]) == 2
+    assert "error: --model no-such-model: not a preset" in capsys.readouterr().err
+    assert main(["estimate", "--params", "1e9", "--micro-batch", "2"]) == 2
+    assert "give --model, not --params" in capsys.readouterr().err
+
+
+def test_estimate_adds_measured_activations_to_the_device_column(capsys):
+    assert main(["estimate", "--model", "char-tiny"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["estimate", "--model", "char-tiny", "--micro-batch", "16", "--seq", "128", "--device", "cpu"]) == 0
+    probed = capsys.readouterr().out
+    assert "activations:" in probed and "measured on cpu at 1 and 2 layers" in probed
+
+    def device_col(text):   # stage 0's device GiB
+        return float(next(line for line in text.splitlines() if line.split()[:2] == ["0", "none"]).split()[2])
+    act_gib = float(probed.split("activations: ")[1].split()[0])
+    assert act_gib > 0.005
+    assert device_col(probed) == pytest.approx(device_col(plain) + act_gib, abs=0.006)
+
+
+def test_activation_probe_scales_with_batch_and_checkpointing():
+    dev = torch.device("cpu")
+    full = load_spec("char-tiny", checkpointing=False)
+    a2 = measure_activations(full, 2, 64, dev, torch.float32)
+    a4 = measure_activations(full, 4, 64, dev, torch.float32)
+    assert a4.total == pytest.approx(2 * a2.total, rel=0.05)          # linear in the micro batch
+    ckpt = measure_activations(load_spec("char-tiny", checkpointing=True), 4, 64, dev, torch.float32)
+    assert 0 < ckpt.per_layer < a4.per_layer / 4       # a checkpointed block keeps only its input
+
+
+def test_engine_reports_step_phases_that_add_up_to_the_step():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, d_model=32, n_head=2)
+    engine = zeroplug.initialize(GPT(cfg), {"batch": {"micro_batch_size": 2, "steps_per_print": 2},
+                                            "monitor": {"plugin": "none"}}, device="cpu")
+    seen = []
+    for step in range(4):
+        x = torch.randint(0, 64, (2, 32))
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        seen.append(dict(engine.last_metrics))
+    assert not any(k.startswith("phase_") for k in seen[2])          # only on reported steps
+    m = seen[3]
+    phases = {k: v for k, v in m.items() if k.startswith("phase_")}
+    assert set(phases) == {"phase_other", "phase_forward", "phase_backward", "phase_wait_gradients",
+                           "phase_optimizer"}
+    assert all(v >= 0 for v in phases.values()) and phases["phase_backward"] > 0
+    assert sum(phases.values()) == pytest.approx(m["step_time"], rel=0.05, abs=1e-4)
+    engine.close()
+
+
+def _train(tmp_path, *extra):
+    args = ["train", "--steps", "12", "--seq", "32", "--max-bytes", "200000", "--batch.steps_per_print=3", *extra]
+    assert main(args) == 0
+
+
+def test_report_draws_a_csv_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _train(tmp_path, "--monitor.plugin=csv", "--monitor.path=run.csv")
+    series = read_run(tmp_path / "run.csv")
+    assert [s for s, _ in series["loss"]] == [1, 3, 6, 9, 12]
+    assert [s for s, _ in series["eval_loss"]][0] == 0 and series["eval_loss"][-1][0] == 12
+    assert series["eval_loss"][-1][1] < series["eval_loss"][0][1]        # it learned
+    assert {"phase_forward", "phase_backward", "phase_optimizer"} <= set(series)
+    assert main(["report", "run.csv"]) == 0
+    png = tmp_path / "run.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 30_000
+    assert "wrote run.png" in capsys.readouterr().out
+
+
+def test_tensorboard_monitor_and_report_of_its_events(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    _train(tmp_path, "--monitor.plugin=tensorboard", "--monitor.output_path=tb", "--monitor.job_name=job")
+    series = read_run(tmp_path / "tb")
+    assert [s for s, _ in series["loss"]] == [1, 3, 6, 9, 12]
+    assert {"lr", "loss_scale", "grad_norm", "tokens_per_sec", "host_rss", "eval_loss", "phase_forward",
+            "phase_optimizer"} <= set(series)
+    assert 0.05 < series["host_rss"][0][1] < 64           # GiB
+    assert all(math.isfinite(v) for _, v in series["loss"])
+    assert main(["report", "tb/job", "--out", "pic.png"]) == 0
+    assert (tmp_path / "pic.png").stat().st_size > 30_000
+
+
+def test_report_names_what_is_wrong(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing.csv")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert main(["report", str(bad)]) == 2
+    assert "not a zeroplug metrics CSV" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no TensorBoard event files" in capsys.readouterr().err
+
+
+def test_report_reads_the_last_run_of_an_appended_csv(tmp_path):
+    rows = ["step,loss,eval_loss", "0,,5.5", "1,5.6,", "2,5.0,", "0,,5.4", "1,5.3,", "2,4.4,", "2,,4.5"]
+    (tmp_path / "m.csv").write_text("\n".join(rows) + "\n")
+    series = read_run(tmp_path / "m.csv")
+    assert series["loss"] == [(1, 5.3), (2, 4.4)]
+    assert series["eval_loss"] == [(0, 5.4), (2, 4.5)]

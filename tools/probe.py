@@ -1,0 +1,213 @@
+"""Models named on the command line, and their activation memory measured by a probe step.
+
+A model is named three ways: a preset of the built-in GPT (``1.3B``), a Hugging Face
+``config.json`` (built with ``AutoModelForCausalLM.from_config``; transformers is an optional
+extra) or ``module:function`` (a function that returns the model; its ``forward(x, y)``
+returns the loss, or it is a Hugging Face model that takes ``input_ids`` and ``labels``).
+
+Activation memory is measured, not guessed: one forward + backward of the batch. On CUDA
+the allocator's peak, with the gradients allocated beforehand, so that what the step adds to
+the parameters and gradients is its activations and the loss's temporaries. On the CPU,
+which keeps no such count, the bytes of the tensors autograd saves for backward (parameters
+excluded); the transient recompute of checkpointed blocks is not seen there. Layer stacks
+are measured at one and two layers and extrapolated (the layers are alike); a model whose
+depth cannot be changed is measured whole.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from zeroplug.errors import ZeroplugError
+
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+@dataclass
+class ModelSpec:
+    """How to build a model (whole, or with ``layers`` layers) and feed it."""
+    name: str
+    build: Callable[[int | None], torch.nn.Module]
+    n_layer: int | None          # None: the depth cannot be changed (module:function)
+    vocab_size: int
+    hf: bool                     # batches are dicts of input_ids / labels
+
+    def num_params(self) -> int:
+        with torch.device("meta"):
+            model = self.build(None)
+        return sum(p.numel() for p in model.parameters())
+
+    def make_batch(self, micro_batch: int, seq: int) -> Callable:
+        vocab, hf = self.vocab_size, self.hf
+
+        def make(device):
+            x = torch.randint(0, vocab, (micro_batch, seq + 1), device=device)
+            if hf:
+                return {"input_ids": x[:, :-1], "labels": x[:, :-1]}
+            return x[:, :-1], x[:, 1:]
+        return make
+
+
+def _preset(name: str, checkpointing: bool) -> ModelSpec:
+    from zeroplug.models import GPT, get_preset
+    cfg = get_preset(name, activation_checkpointing=checkpointing)
+
+    def build(layers):
+        return GPT(cfg.with_(n_layer=layers) if layers else cfg)
+    return ModelSpec(name, build, cfg.n_layer, cfg.vocab_size, hf=False)
+
+
+def _hf_config(path: Path, checkpointing: bool) -> ModelSpec:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ZeroplugError(f"{path}: a Hugging Face config needs the transformers package "
+                            "(pip install transformers)") from None
+    try:
+        raw = json.loads(path.read_text())
+        model_type = raw.pop("model_type")
+        base = AutoConfig.for_model(model_type, **raw)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ZeroplugError(f"{path}: not a Hugging Face config.json with a model_type "
+                            f"({type(exc).__name__}: {exc})") from None
+    depth_key = next((k for k in _DEPTH_KEYS if isinstance(getattr(base, k, None), int)), None)
+
+    def build(layers):
+        cfg = base
+        if layers and depth_key:
+            cfg = type(base).from_dict({**base.to_dict(), depth_key: layers})
+        model = AutoModelForCausalLM.from_config(cfg)
+        if checkpointing and getattr(model, "supports_gradient_checkpointing", False):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    vocab = getattr(base, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ZeroplugError(f"{path}: the config has no vocab_size")
+    return ModelSpec(path.name, build, getattr(base, depth_key) if depth_key else None, vocab, hf=True)
+
+
+def _function(text: str, vocab_size: int | None) -> ModelSpec:
+    mod_name, _, fn_name = text.partition(":")
+    sys.path.insert(0, os.getcwd())       # as `python -m` would: modules next to the user
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ZeroplugError(f"--model {text}: cannot import {fn_name} from {mod_name} ({exc})") from None
+    finally:
+        sys.path.remove(os.getcwd())
+    with torch.device("meta"):
+        probe = fn()
+    config = getattr(probe, "config", None)
+    hf = config is not None and hasattr(config, "to_dict")
+    vocab = vocab_size or getattr(config, "vocab_size", None) or getattr(getattr(probe, "cfg", None),
+                                                                          "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ZeroplugError(f"--model {text}: the model has no config.vocab_size; give --vocab-size")
+    return ModelSpec(text, lambda layers: fn(), None, vocab, hf=hf)
+
+
+def load_spec(text: str, checkpointing: bool = True, vocab_size: int | None = None) -> ModelSpec:
+    """A preset name, a path to a Hugging Face config.json, or ``module:function``."""
+    from zeroplug.models import PRESETS
+    if text in PRESETS:
+        return _preset(text, checkpointing)
+    p = Path(text)
+    if p.is_dir() and (p / "config.json").is_file():
+        p = p / "config.json"
+    if p.suffix == ".json" or p.is_file():
+        if not p.is_file():
+            raise ZeroplugError(f"--model {text}: no such file")
+        return _hf_config(p, checkpointing)
+    if ":" in text:
+        return _function(text, vocab_size)
+    raise ZeroplugError(f"--model {text}: not a preset ({', '.join(PRESETS)}), a config.json or "
+                        "module:function")
+
+
+# -- the probe ------------------------------------------------------------------------------
+
+@dataclass
+class Activations:
+    """Bytes of activation memory for the whole model, and how they were found."""
+    total: float
+    fixed: float = 0.0           # embeddings, head, loss
+    per_layer: float = 0.0
+    how: str = ""
+
+
+def _probe_once(spec: ModelSpec, layers: int | None, batch: Callable, device: torch.device,
+                dtype: torch.dtype) -> float:
+    from zeroplug.benchmarking.measure import _forward, _loss_of, release
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = spec.build(layers).to(dtype)
+    model.train()
+    for p in model.parameters():       # Note: the gradients exist before the step, as under ZeRO
+        p.grad = torch.zeros_like(p)
+    inputs = batch(device)
+    release(device)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.device.type != "meta":
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _loss_of(_forward(model, inputs))
+    loss.float().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        used = torch.cuda.max_memory_allocated(device) - base
+    else:
+        used = sum(saved.values())
+    del model, inputs, loss
+    release(device)
+    return max(0.0, float(used))
+
+
+def measure_activations(spec: ModelSpec, micro_batch: int, seq: int, device: torch.device,
+                        dtype: torch.dtype) -> Activations:
+    """Activation bytes of one micro-batch, measured on ``device`` (see the module's docstring)."""
+    batch = spec.make_batch(micro_batch, seq)
+    if spec.n_layer and spec.n_layer > 2:
+        one = _probe_once(spec, 1, batch, device, dtype)
+        two = _probe_once(spec, 2, batch, device, dtype)
+        per_layer = max(0.0, two - one)
+        fixed = max(0.0, one - per_layer)
+        return Activations(fixed + spec.n_layer * per_layer, fixed, per_layer,
+                           f"measured on {device.type} at 1 and 2 layers, extrapolated to {spec.n_layer}")
+    total = _probe_once(spec, None, batch, device, dtype)
+    return Activations(total, total, 0.0, f"measured on {device.type}, whole model")
+
+
+def estimate_inputs(model: str, micro_batch: int | None, seq: int, device: str,
+                    checkpointing: bool = True) -> tuple[int, Activations | None]:
+    """For ``zeroplug estimate``: the parameter count of ``model`` and, with a micro batch, its
+    measured activations on ``device`` (cpu, cuda or auto)."""
+    if micro_batch is not None and (micro_batch < 1 or seq < 1):
+        raise ZeroplugError("--micro-batch and --seq must be at least 1")
+    spec = load_spec(model, checkpointing)
+    if micro_batch is None:
+        return spec.num_params(), None
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return spec.num_params(), measure_activations(spec, micro_batch, seq, dev, dtype)

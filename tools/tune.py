@@ -1,0 +1,330 @@
+"""``zeroplug tune``: which ZeRO stage and offload to use for a model on this machine.
+
+1. Read the machine: the device and its free memory, the host's available memory, the free
+   space at ``--nvme-path``.
+2. Measure the model's activation memory for the batch with a probe step
+   (:mod:`zeroplug.tools.probe`) and estimate each candidate's device, host and disk bytes
+   (model states by the ZeRO accounting of :mod:`zeroplug.memory`, plus the activations).
+3. Run a few steps of each candidate that fits, most promising first (seed 001's order:
+   everything on the device, then the optimizer on the CPU, then the parameters too, then
+   NVMe). Once a tier has run, only the first candidate of the next tier is tried; when it
+   is slower than the best so far, the slower tiers are skipped.
+4. Write the fastest as a commented ``zero.toml`` with the table of what was tried.
+
+One process, one device: run it without torchrun.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zeroplug.errors import ZeroplugError
+
+GiB = 1024 ** 3
+#: the usable share of free memory or disk in the estimates (allocator slack, buffers)
+HEADROOM = 0.95
+_CPU, _NVME = "cpu", "nvme"
+SUB_GROUP = 100_000_000       # offloaded runs on a GPU: reduce_bucket_size and sub_group_size
+
+
+@dataclass
+class Candidate:
+    tier: int
+    stage: int
+    optimizer: str = "none"      # where the optimizer states live: none (the device) | cpu | nvme
+    param: str = "none"          # stage 3's parameters: none | cpu | nvme
+    est_device: float = 0.0
+    est_host: float = 0.0
+    est_disk: float = 0.0
+    run: object = None           # zeroplug.benchmarking.measure.StepRun
+    verdict: str = ""
+
+    @property
+    def name(self) -> str:
+        where = {(_CPU, "none"): " + optimizer on CPU", (_CPU, _CPU): " + optimizer and parameters on CPU",
+                 (_NVME, "none"): " + optimizer on NVMe", (_NVME, _CPU): " + optimizer on NVMe, parameters on CPU",
+                 (_NVME, _NVME): " + optimizer and parameters on NVMe"}
+        return f"stage{self.stage}" + where.get((self.optimizer, self.param), "")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.run.tokens_per_s if self.run is not None and self.run.error is None else 0.0
+
+
+TIERS = (  # most promising first; tier = what leaves the device
+    [Candidate(0, s) for s in (0, 1, 2, 3)],
+    [Candidate(1, 2, _CPU), Candidate(1, 3, _CPU)],
+    [Candidate(2, 3, _CPU, _CPU)],
+    [Candidate(3, 3, _NVME, _CPU)],
+    [Candidate(4, 3, _NVME, _NVME)],
+)
+
+
+@dataclass
+class Machine:
+    device: torch.device
+    device_name: str
+    device_free: float          # bytes usable on the device now
+    host_available: float
+    nvme_path: str | None
+    disk_free: float
+
+    def describe(self) -> str:
+        dev = (f"{self.device_name}, {self.device_free / GiB:.1f} GiB free" if self.device.type == "cuda"
+               else "the CPU (no CUDA device)")
+        disk = (f"; {self.nvme_path}: {self.disk_free / GiB:.1f} GiB free" if self.nvme_path
+                else "; no --nvme-path (NVMe candidates not considered)")
+        return f"{dev}; host {self.host_available / GiB:.1f} GiB available{disk}"
+
+
+def read_machine(device: torch.device, nvme_path: str | None) -> Machine:
+    from zeroplug.memory import host_available_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        name = torch.cuda.get_device_name(device)
+    else:
+        free, name = 0, "cpu"
+    disk = 0.0
+    if nvme_path:
+        os.makedirs(nvme_path, exist_ok=True)
+        disk = float(shutil.disk_usage(nvme_path).free)
+    return Machine(device, name, float(free), float(host_available_bytes()), nvme_path, disk)
+
+
+def config_for(c: Candidate, micro_batch: int, machine: Machine, lr: float, measuring: bool) -> dict:
+    cfg = {"batch": {"micro_batch_size": micro_batch, "gradient_clipping": 1.0},
+           "zero": {"plugin": f"stage{c.stage}"},
+           "precision": {"plugin": "bf16" if machine.device.type == "cuda" else "fp32"},
+           "optimizer": {"plugin": "auto", "lr": lr}}
+    if c.optimizer != "none":
+        cfg["offload"] = {"optimizer": {"plugin": c.optimizer}}
+        if c.param != "none":
+            cfg["offload"]["param"] = {"plugin": c.param}
+        for table in cfg["offload"].values():
+            if table["plugin"] == _NVME:
+                table["nvme_path"] = machine.nvme_path
+        if machine.device.type == "cuda":    # what docs/benchmarks.md's offloaded rows measured
+            cfg["zero"].update(reduce_bucket_size=SUB_GROUP, sub_group_size=SUB_GROUP)
+    if measuring:
+        cfg["batch"]["steps_per_print"] = 1      # the engine's phase timings on every step
+        cfg["monitor"] = {"plugin": "none"}
+    return cfg
+
+
+def estimate(c: Candidate, n_params: int, activations: float, machine: Machine) -> None:
+    """Fill ``c``'s estimated device, host and disk bytes."""
+    from zeroplug.memory import estimate_model_states
+    param_bytes = 2 if machine.device.type == "cuda" else 4
+    e = estimate_model_states(n_params, c.stage, 1, param_bytes, c.optimizer != "none", c.param != "none",
+                              activations)
+    c.est_device, c.est_host, c.est_disk = e["device"], e["host"], 0.0
+    if c.optimizer == _NVME:       # the states go to disk; up to 3 sub-groups in flight stay in memory
+        sub_group = SUB_GROUP if machine.device.type == "cuda" else 1_000_000_000
+        c.est_disk += e["optim"]
+        c.est_host += 3 * min(sub_group, n_params) * 16 - e["optim"]
+    if c.param == _NVME:
+        c.est_disk += e["params"]
+        c.est_host -= e["params"]
+
+
+def reject_reason(c: Candidate, machine: Machine) -> str | None:
+    """Why ``c`` cannot run here, or None."""
+    if machine.device.type == "cpu" and _CPU in (c.optimizer, c.param):
+        return "the device is the CPU: offloading to CPU memory moves nothing"
+    if _NVME in (c.optimizer, c.param) and not machine.nvme_path:
+        return "no --nvme-path given"
+    if machine.device.type == "cuda" and c.est_device > HEADROOM * machine.device_free:
+        return (f"estimated {c.est_device / GiB:.1f} GiB on the GPU > {HEADROOM * machine.device_free / GiB:.1f} "
+                "GiB usable")
+    host_need = c.est_host + (c.est_device if machine.device.type == "cpu" else 0.0)
+    if host_need > HEADROOM * machine.host_available:
+        return (f"estimated {host_need / GiB:.1f} GiB of host memory > "
+                f"{HEADROOM * machine.host_available / GiB:.1f} GiB usable")
+    if c.est_disk > HEADROOM * machine.disk_free:
+        return f"estimated {c.est_disk / GiB:.1f} GiB on disk > {machine.disk_free / GiB:.1f} GiB free"
+    return None
+
+
+@dataclass
+class TuneResult:
+    model: str
+    n_params: int
+    micro_batch: int
+    seq: int
+    activations: object           # zeroplug.tools.probe.Activations
+    machine: Machine
+    candidates: list[Candidate] = field(default_factory=list)
+    best: Candidate | None = None
+    seconds: float = 0.0
+    steps: int = 0
+    warmup: int = 0
+    lr: float = 1e-4
+
+
+def tune(spec, micro_batch: int, seq: int, device: torch.device, nvme_path: str | None = None,
+         steps: int = 3, warmup: int = 2, max_candidates: int = 8, lr: float = 1e-4,
+         activation_bytes: float | None = None, log=print) -> TuneResult:
+    from zeroplug.benchmarking.measure import run_steps
+    from zeroplug.tools.probe import Activations, measure_activations
+    t0 = time.perf_counter()
+    machine = read_machine(device, nvme_path)
+    n_params = spec.num_params()
+    log(f"tune: {spec.name}, {n_params:,} parameters, micro batch {micro_batch} x sequence {seq}")
+    log(f"tune: machine: {machine.describe()}")
+    if activation_bytes is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        acts = measure_activations(spec, micro_batch, seq, device, dtype)
+    else:
+        acts = Activations(activation_bytes, how="given with --activations-gib")
+    log(f"tune: activations {acts.total / GiB:.2f} GiB ({acts.how})")
+    result = TuneResult(spec.name, n_params, micro_batch, seq, acts, machine, steps=steps, warmup=warmup, lr=lr)
+    build = spec.build
+    make_batch = spec.make_batch(micro_batch, seq)
+    best, stop, tried = None, None, 0
+    for tier in TIERS:
+        for proto in tier:
+            c = Candidate(proto.tier, proto.stage, proto.optimizer, proto.param)
+            result.candidates.append(c)
+            estimate(c, n_params, acts.total, machine)
+            why = reject_reason(c, machine)
+            if why:
+                c.verdict = f"rejected: {why}"
+                continue
+            if stop:
+                c.verdict = f"not tried: {stop}"
+                continue
+            if tried >= max_candidates:
+                c.verdict = f"not tried: --max-candidates {max_candidates} reached"
+                continue
+            tried += 1
+            log(f"tune: [{tried}] {c.name}: estimated {c.est_device / GiB:.1f} GiB device, "
+                f"{c.est_host / GiB:.1f} GiB host; running {warmup} + {steps} steps")
+            c.run = run_steps(lambda: build(None), make_batch, config_for(c, micro_batch, machine, lr, True),
+                              steps=steps, warmup=warmup, device=device, label=c.name, on_error=True)
+            if c.run.error:
+                c.verdict = f"rejected: {c.run.error}"
+                log(f"tune:     failed: {c.run.error}")
+                continue
+            log(f"tune:     {c.tokens_per_s:,.0f} tokens/s, peak GPU {c.run.peak_gpu_bytes / GiB:.1f} GiB, "
+                f"peak host {c.run.peak_host_bytes / GiB:.1f} GiB")
+            if best is not None and best.tier < c.tier and c.tokens_per_s <= best.tokens_per_s:
+                stop = (f"{c.name} ran at {c.tokens_per_s / best.tokens_per_s:.2f}x {best.name}; "
+                        "slower tiers skipped")
+            if best is None or c.tokens_per_s > best.tokens_per_s:
+                best = c
+    for c in result.candidates:
+        if c.run is not None and c.run.error is None:
+            c.verdict = ("chosen: the fastest" if c is best
+                         else f"ran: {c.tokens_per_s / best.tokens_per_s:.2f}x the chosen")
+    result.best = best
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def render(result: TuneResult, command: str) -> str:
+    """The commented zero.toml of the chosen candidate."""
+    from zeroplug.convert import to_toml
+    m, a = result.machine, result.activations
+    lines = [f"# Chosen by `{command}` in {result.seconds:.0f} s.",
+             f"# Machine: {m.describe()}.",
+             f"# Model {result.model}: {result.n_params:,} parameters; micro batch {result.micro_batch} x "
+             f"sequence {result.seq}; activations {a.total / GiB:.2f} GiB ({a.how}).",
+             f"# Each candidate ran {result.warmup} warm-up + {result.steps} timed steps (tokens/s of the median "
+             "step); peaks are this process's.",
+             "#",
+             "# Memory in GiB: estimated (device, host) before running, then the measured peaks.",
+             f"# {'candidate':<46} {'est. dev':>8} {'est. host':>9} {'tokens/s':>9} {'peak GPU':>8} "
+             f"{'peak host':>9}  result"]
+    for c in result.candidates:
+        ran = c.run is not None and c.run.error is None
+        tps = f"{c.tokens_per_s:,.0f}" if ran else "-"
+        gpu = _gib(c.run.peak_gpu_bytes) if ran else "-"
+        host = _gib(c.run.peak_host_bytes) if ran else "-"
+        lines.append(f"# {c.name:<46} {_gib(c.est_device):>8} {_gib(c.est_host):>9} {tps:>9} {gpu:>8} "
+                     f"{host:>9}  {c.verdict}")
+    lines.append("#")
+    if result.best is None:
+        lines.append("# No candidate ran: see the reasons above.")
+        return "\n".join(lines) + "\n"
+    best = result.best
+    lines += [f"# Chosen: {best.name}, {best.tokens_per_s:,.0f} tokens/s. Set your own learning rate and "
+              "schedule below.", ""]
+    return "\n".join(lines) + "\n" + to_toml(config_for(best, result.micro_batch, m, result.lr, False))
+
+
+def cmd_tune(args) -> int:
+    import shlex
+    import sys
+
+    from zeroplug.tools.probe import load_spec
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ZeroplugError("zeroplug tune measures on one process and one device; run it without torchrun "
+                            "(for N ranks' memory: zeroplug estimate --world-size N)")
+    if args.micro_batch < 1 or args.seq < 1 or args.steps < 1 or args.warmup < 0:
+        raise ZeroplugError("--micro-batch, --seq and --steps must be at least 1 (--warmup at least 0)")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
+    out = Path(args.out)
+    try:     # checked before the minutes of tuning, not after
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ZeroplugError(f"--out {out}: cannot create its directory ({exc.strerror or exc})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise ZeroplugError(f"--out {out}: {out.parent} is not writable")
+    spec = load_spec(args.model, not args.no_activation_checkpointing, args.vocab_size)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    result = tune(spec, args.micro_batch, args.seq, dev, args.nvme_path, args.steps, args.warmup,
+                  args.max_candidates, args.lr,
+                  None if args.activations_gib is None else args.activations_gib * GiB)
+    command = "zeroplug " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] \
+        else "zeroplug tune"
+    text = render(result, command)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise ZeroplugError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
+    print(text, end="")
+    if result.best is None:
+        print(f"error: no candidate ran on this machine (table in {out})", file=sys.stderr)
+        return 1
+    print(f"wrote {out}: {result.best.name}, {result.best.tokens_per_s:,.0f} tokens/s "
+          f"(tuning took {result.seconds:.0f} s)")
+    return 0
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("tune", help="measure the stages and offloads that fit this machine; write the fastest "
+                                    "as a commented zero.toml")
+    t.add_argument("--model", required=True,
+                   help="a model preset (e.g. 1.3B), a Hugging Face config.json, or module:function")
+    t.add_argument("--micro-batch", type=int, default=8, help="micro batch per step (default 8)")
+    t.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    t.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"],
+                   help="auto (default): cuda when present")
+    t.add_argument("--nvme-path", help="a directory on a fast disk: NVMe candidates are considered")
+    t.add_argument("--steps", type=int, default=3, help="timed steps per candidate (default 3)")
+    t.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
+    t.add_argument("--max-candidates", type=int, default=8, help="run at most this many (default 8)")
+    t.add_argument("--lr", type=float, default=1e-4, help="learning rate of the runs and the file (default 1e-4)")
+    t.add_argument("--out", default="zero.toml", help="where to write the chosen config (default zero.toml)")
+    t.add_argument("--activations-gib", type=float, help="skip the probe: activation memory per micro-batch")
+    t.add_argument("--vocab-size", type=int, help="token ids are drawn below this (module:function models "
+                                                  "without config.vocab_size)")
+    t.add_argument("--no-activation-checkpointing", action="store_true",
+                   help="presets and Hugging Face configs: no activation checkpointing (default: on every "
+                        "block, as the reference workload)")
+    t.set_defaults(fn=lambda args, overrides: cmd_tune(args))
