@@ -5,6 +5,7 @@ Run as a script under torchrun, this file is also the 2-device half of the tests
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -100,19 +101,32 @@ def rel(a, b) -> float:
     return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 
+@contextlib.contextmanager
+def lightning_leaves_no_trace():
+    """Lightning's DDP on CPU leaves its process group, torch's thread count (set to the
+    cores per process) and MASTER_ADDR / WORLD_SIZE / OMP_NUM_THREADS... behind; the tests
+    that run after these must not inherit them."""
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(env)
+
+
 @pytest.fixture(autouse=True)
-def own_process_group():
-    """Lightning leaves its (one-process) group behind; the next test starts without one."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def each_test_leaves_no_trace():
+    with lightning_leaves_no_trace():
+        yield
 
 
 @pytest.fixture(scope="module")
 def plain():
-    _, module = fit("ddp")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with lightning_leaves_no_trace():
+        _, module = fit("ddp")
     return module.seen
 
 
@@ -128,8 +142,8 @@ def test_follows_plain_lightning(plain, stage):
 
 def test_manual_optimization():
     kw = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "max_steps": 3}
-    _, plain = fit("ddp", module=ManualRegressor(), **kw)
-    dist.destroy_process_group()
+    with lightning_leaves_no_trace():
+        _, plain = fit("ddp", module=ManualRegressor(), **kw)
     trainer, module = fit(ZeroplugStrategy({"zero": {"plugin": "stage3"}}), module=ManualRegressor(), **kw)
     assert trainer.strategy.engine.global_step == 3
     assert rel(plain.seen, module.seen) < 1e-5
