@@ -210,6 +210,19 @@ def scheduled_lr(optimizer: torch.optim.Optimizer, base_lr: float) -> float | No
     return None
 
 
+def save_engine_checkpoint(engine, save_dir, **kwargs) -> str:
+    """``engine.save_checkpoint`` into a folder of the host's checkpoint.
+
+    Note: a save keeps its directory locked for the engine's life, against a second run
+    writing there. The host names a folder per checkpoint and removes old ones itself, so
+    the lock is let go once the checkpoint is complete (a long run would otherwise hold one
+    open file per checkpoint it ever wrote)."""
+    from zeroplug import checkpoint_dir
+    path = engine.save_checkpoint(save_dir, **kwargs)
+    checkpoint_dir.release(engine)
+    return path
+
+
 def load_engine_checkpoint(engine, load_dir, **kwargs):
     """``engine.load_checkpoint`` keeping each optimizer group's own hyper-parameters.
 

@@ -42,7 +42,7 @@ import zeroplug
 from zeroplug.errors import ConfigError
 
 from .host import (Given, backward_and_step, build_engine, load_raw, optimizer_givens, reconcile,
-                   load_engine_checkpoint, scheduled_lr, torch_optimizer_spec)
+                   load_engine_checkpoint, save_engine_checkpoint, scheduled_lr, torch_optimizer_spec)
 
 #: inside a checkpoint folder: the engine's checkpoint (a tag) and Lightning's own state
 ENGINE_TAG = "zeroplug"
@@ -227,7 +227,7 @@ class ZeroplugStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroplugStrategy.save_checkpoint(storage_options=...) is not supported")
         path = self.broadcast(str(filepath))
-        self.engine.save_checkpoint(path, tag=ENGINE_TAG)
+        save_engine_checkpoint(self.engine, path, tag=ENGINE_TAG)
         if self.is_global_zero:
             rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
             self.checkpoint_io.save_checkpoint(rest, os.path.join(path, LIGHTNING_FILE))

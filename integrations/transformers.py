@@ -37,7 +37,7 @@ except ImportError as exc:       # pragma: no cover - exercised without the extr
 from zeroplug.errors import ConfigError
 
 from .host import (COMPATIBLE, Given, HostOptimizer, backward_and_step, build_engine, drop_auto_schedule,
-                   load_engine_checkpoint, load_raw, reconcile, scheduled_lr)
+                   load_engine_checkpoint, load_raw, reconcile, save_engine_checkpoint, scheduled_lr)
 
 log = logging.getLogger("zeroplug")
 
@@ -293,7 +293,7 @@ class ZeroplugTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)    # the schedule's optimizer.pt, scheduler.pt
-        self.engine.save_checkpoint(os.path.join(output_dir, ZEROPLUG_DIR))
+        save_engine_checkpoint(self.engine, os.path.join(output_dir, ZEROPLUG_DIR))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
