@@ -200,10 +200,52 @@ class TorchRunner:
         del self.model, self.opt
 
 
+class FSDP2Runner(TorchRunner):
+    """The peer: the same model under PyTorch FSDP2 (``fully_shard`` on every child of
+    ``blocks`` and on the root; bf16 parameters, fp32 reduction; fused AdamW over the fp32
+    sharded parameters; clipping 1.0). ``reshard_after_forward=False`` is FSDP2's analogue of
+    ZeRO-2 (parameters stay gathered between forward and backward). One process makes a
+    one-rank process group of its own when none exists."""
+
+    def __init__(self, build_model, make_batch, device=None, reshard_after_forward: bool = True,
+                 lr: float = 1e-4, clip: float = 1.0, label: str = "fsdp2"):
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        self.device = torch.device(device) if device is not None else default_device()
+        if not dist.is_initialized():
+            import tempfile
+            store = dist.FileStore(tempfile.mktemp(prefix="zeroplug-fsdp2-"), 1)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=store,
+                                    rank=0, world_size=1)
+        self.make_batch, self.label, self.clip = make_batch, label, clip
+        with torch.device(self.device):
+            self.model = build_model()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.device.type == "cuda" else None,
+                                  reduce_dtype=torch.float32)
+        for block in getattr(self.model, "blocks", []):
+            fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(self.model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=self.device.type == "cuda")
+
+    def step(self, batches) -> float:
+        loss = _loss_of(_forward(self.model, batches[0]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync(self.device)
+        return float(loss.detach().float().item())
+
+
 def make_runner(build_model, make_batch, config, device=None, label=None):
-    """An :class:`EngineRunner`, or the :class:`TorchRunner` baseline for ``config="torch"``."""
+    """An :class:`EngineRunner`, or a baseline: :class:`TorchRunner` for ``config="torch"``,
+    :class:`FSDP2Runner` for ``"fsdp2"`` (``"fsdp2-no-reshard"``: parameters kept gathered
+    between forward and backward)."""
     if isinstance(config, str) and config == "torch":
         return TorchRunner(build_model, make_batch, device, label=label or "torch")
+    if isinstance(config, str) and config.startswith("fsdp2"):
+        return FSDP2Runner(build_model, make_batch, device, reshard_after_forward=config == "fsdp2",
+                           label=label or config)
     return EngineRunner(build_model, make_batch, config, device, label=label or "zeroplug")
 
 
@@ -233,7 +275,7 @@ def run_steps(build_model, make_batch, config, steps: int = 5, warmup: int = 2, 
     ``on_error``: return a :class:`StepRun` whose ``error`` says what failed (out of memory,
     a tier that lacks room) instead of raising; tune uses this to reject a candidate."""
     device = torch.device(device) if device is not None else default_device()
-    run = StepRun(label or ("torch" if config == "torch" else "zeroplug"))
+    run = StepRun(label or (config if isinstance(config, str) else "zeroplug"))
     start_peaks(device)
     runner = None
     try:

@@ -337,3 +337,26 @@ def test_tokens_are_counted_from_keyword_input_ids():
     engine.step()
     assert engine.tokens_per_sample == R.SEQ
     assert engine.last_metrics["tokens_per_sec"] > 0
+
+
+def _external_read_after_init(rank, world):
+    import zeroplug
+    cfg = R.config(3, world, stage3_param_persistence_threshold=0)
+    with zeroplug.init(cfg):
+        model = R.build("moe")          # its loss reads head.weight outside head's forward
+    engine = zeroplug.initialize(model, cfg)
+    m = R.GLOBAL_BATCH // world
+    losses = []
+    for s in range(3):
+        loss = engine(**R.batch("moe", s, rank * m, (rank + 1) * m)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_weight_read_outside_its_module_works_for_a_model_built_under_init():
+    res = run_ranks(_external_read_after_init, 2)
+    ref, _ = R.torch_losses("moe", 3)
+    mean = [(a + b) / 2 for a, b in zip(res[0], res[1])]
+    assert R.max_rel(mean, ref) <= LOSS_RTOL

@@ -112,7 +112,7 @@ def test_second_run_on_a_checkpoint_dir_is_refused(tmp_path):
         assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
         assert lines[0].startswith(f"error: checkpoint directory '{ck}' is in use by pid {first.pid} on host "
                                    f"{HOST}, started "), lines[0]
-        assert "python -m zeroplug.cli train --max-bytes" in lines[0] and "--steps 100000" in lines[0]
+        assert "-m zeroplug.cli train --max-bytes" in lines[0] and "--steps 100000" in lines[0]
         assert "training" not in second.stdout and time.time() - t0 < 60
         seen = _latest(ck)                                 # the first run goes on, undisturbed
         _wait_for(lambda: _latest(ck) != seen, proc=first)

@@ -85,9 +85,10 @@ def _run(root: Path, restarts: int, kill_at: str | None):
 
 
 def _losses(root: Path) -> dict[int, str]:
-    """Step -> loss (its exact text) of the CSV; a step run again after a resume: the last row."""
+    """Step -> loss (its exact text) of the CSV's training rows (held-out evaluations have rows
+    of their own, without a training loss); a step run again after a resume: the last row."""
     with open(root / "loss.csv") as f:
-        return {int(r["step"]): r["loss"] for r in csv.DictReader(f)}
+        return {int(r["step"]): r["loss"] for r in csv.DictReader(f) if r.get("loss")}
 
 
 def test_killed_rank_ends_the_job_then_restart_resumes_exactly(tmp_path):

@@ -493,6 +493,19 @@ class FlatPartitioner(Partitioner):
                 return None
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors behind each memory category (zeroplug.memory.memory_report)."""
+        from .unit import FREE
+        return {
+            "lp_params": [u.full for u in self.all_units if u.persistent]
+            + [u.shard for u in self.all_units if u.sharded_params],
+            "master": [] if self.alias else list(self._master_list),
+            "gradients": [u.grad_flat for u in self.units] + [u.master.grad for u in self.units]
+            + ([self.master_grad_flat] if getattr(self, "master_grad_flat", None) is not None else []),
+            "buckets": [u.bucket for u in self.units] + [out for _, _, out in self._pending],
+            "prefetch": [u.full for u in self.all_units if not u.persistent and u.state != FREE],
+        }
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         self.wait_optimizer()
         out = {"lp_params": [u.full for u in self.all_units] + [u.shard for u in self.all_units if u.sharded_params],

@@ -145,13 +145,12 @@ class Stage3(Stage2):
                     shard=shard)
         unit.persistent = (world == 1 and not self.params_offloaded) or layout.total <= self.persist_threshold
         unit.bind_params()
-        if group is not None and world > 1:
-            unit.state = FREE
-            if unit.persistent:
-                unit.start_gather(self.comm, self.upload)
-                unit.wait_gather()
-        elif not unit.persistent:
+        if not unit.persistent:
             unit.mark_free()
+        elif group is not None and world > 1:     # the whole copy, gathered from the init shards
+            unit.state = FREE
+            unit.start_gather(self.comm, self.upload)
+            unit.wait_gather()
         if not unit.persistent:
             for p in params:
                 p._zp_fetch = lambda u=unit: self._fetch(u)     # a read outside a module's forward

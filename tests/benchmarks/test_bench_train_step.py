@@ -6,7 +6,8 @@ The model is the reference GPT (shared/WORKLOAD.md): at the ``gpu`` size the 1.3
 micro batch 8, sequence 1,024, bf16, activation checkpointing on every block, AdamW lr 1e-4,
 clipping 1.0, random tokens, 5 timed steps after 2 warm-ups; smaller GPTs of the same
 architecture at the ``cpu`` and ``smallest`` sizes (fp32); ``ZEROPLUG_BENCH_MODEL=2.7B`` picks another
-preset at the ``gpu`` size. Each row's ``extra_info``: tokens/s,
+preset at the ``gpu`` size. The ``fsdp2`` rows are the peer (PyTorch FSDP2, fully_shard per block,
+bf16 parameters, fp32 reduction) measured in the same run. Each row's ``extra_info``: tokens/s,
 peak GPU and host memory, the engine's step phases and the ratio to plain PyTorch measured in
 the same run (the ``torch`` row). The NVMe row runs at the ``gpu`` size only with
 ``ZEROPLUG_BENCH_NVME=1`` (a 1.3B step moves ~30 GB through the disk), in ``ZEROPLUG_BENCH_PATH``.
@@ -33,6 +34,8 @@ MODEL, MICRO_BATCH, SEQ, STEPS, WARMUP = {
 _CPU = {"plugin": "cpu"}
 CASES = {
     "torch": None,
+    "fsdp2-no-reshard": None,      # the peer of stage 2
+    "fsdp2": None,                 # the peer of stage 3
     "stage0": {"zero": {"plugin": "stage0"}},
     "stage1": {"zero": {"plugin": "stage1"}},
     "stage2": {"zero": {"plugin": "stage2"}},
@@ -55,8 +58,8 @@ def make_batch(device):
 
 
 def config_for(case: str, device: torch.device) -> dict | str:
-    if case == "torch":
-        return "torch"
+    if CASES[case] is None:       # a baseline: plain PyTorch or FSDP2
+        return case
     cfg = {"batch": {"micro_batch_size": MICRO_BATCH, "gradient_clipping": 1.0, "steps_per_print": 1},
            "precision": {"plugin": "bf16" if device.type == "cuda" else "fp32"},
            "optimizer": {"plugin": "auto" if "offload" in case else "adamw", "lr": 1e-4},
@@ -81,5 +84,5 @@ def test_train_step(zeroplug_step, case):
     assert result.losses and all(math.isfinite(x) for x in result.losses)
     assert abs(result.losses[0] - math.log(MODEL.vocab_size)) < 1.0    # a GPT at init: ~ln(vocab)
     assert result.tokens_per_step == MICRO_BATCH * SEQ
-    if case != "torch":
+    if CASES[case] is not None:
         assert set(result.phases) >= {"forward", "backward", "optimizer"}

@@ -1,0 +1,72 @@
+"""engine.memory_report(): the bytes each stage holds between steps, per category, against
+budgets computed from the parameter count (bf16 model, fp32 master, Adam; CPU, 1 and 2 ranks).
+
+P parameters, W ranks; every unit is padded to a multiple of W elements (at most W - 1 each).
+
+=========  ==========  ===========  ====================  =========
+stage      lp params   master       gradients             optimizer
+=========  ==========  ===========  ====================  =========
+0          2P          4P           2P (flat) + 4P        8P
+1          2P          4P / W       2P (flat) + 4P / W    8P / W
+2          2P          4P / W       4P / W                8P / W
+3          2P / W      4P / W       4P / W                8P / W
+=========  ==========  ===========  ====================  =========
+
+Stage 3 on one rank keeps every unit whole (2P): nothing to gather from. Buckets and the
+prefetch window are empty between steps.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from toy import Wide
+
+WIDTH, LAYERS = 128, 6
+
+
+def _report(rank, world, stage):
+    import zeroplug
+    cfg = {"zero": {"plugin": f"stage{stage}", "stage3_param_persistence_threshold": 0},
+           "precision": {"plugin": "bf16"}, "optimizer": {"plugin": "adamw"},
+           "batch": {"micro_batch_size": 2, "steps_per_print": 10_000}, "monitor": {"plugin": "none"}}
+    engine = zeroplug.initialize(Wide(WIDTH, LAYERS), cfg)
+    x = torch.randn(2, WIDTH).to(torch.bfloat16)
+    engine.backward(engine(x))
+    engine.step()
+    return engine.memory_report(), len(engine.partitioner.all_units)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_persistent_bytes_per_category(stage, world):
+    P = LAYERS * (WIDTH * WIDTH + WIDTH)
+    W = world
+    shard = lambda b: b * P / W                                          # noqa: E731
+    want = {
+        "lp_params": 2 * P if stage < 3 or W == 1 else shard(2),
+        "master": 4 * P if stage == 0 else shard(4),
+        "gradients": {0: 6 * P, 1: 2 * P + shard(4)}.get(stage, shard(4)),
+        "optimizer": 8 * P if stage == 0 else shard(8),
+        "buckets": 0, "prefetch": 0,
+    }
+    for report, units in run_ranks(_report, world, stage):
+        pad = units * (W - 1) * 16          # at most W - 1 padding elements per unit, 16 bytes each
+        assert report["host"] == {}
+        for name, budget in want.items():
+            got = report["device"][name]
+            assert budget <= got <= budget + pad, (name, got, budget)
+
+
+def test_the_line_is_printed_once_after_the_first_step(caplog):
+    import zeroplug
+    engine = zeroplug.initialize(Wide(WIDTH, 2), {"precision": {"plugin": "bf16"}, "monitor": {"plugin": "none"},
+                                                  "batch": {"micro_batch_size": 2}})
+    x = torch.randn(2, WIDTH).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="zeroplug"):
+        for _ in range(2):
+            engine.backward(engine(x))
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if "memory after the first step" in r.getMessage()]
+    assert len(lines) == 1 and "20.0 bytes per trainable parameter" in lines[0]
