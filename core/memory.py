@@ -51,6 +51,7 @@ def memory_report(engine) -> dict:
     cats = dict(part.memory_tensors()) if hasattr(part, "memory_tensors") else {}
     cats["optimizer"] = [v for st in engine.optimizer.state.values() for v in st.values()
                          if torch.is_tensor(v) and v.dim() > 0]
+    dev = engine.run.device
     device, host, seen = {}, {}, set()
     for name in MEMORY_CATEGORIES:
         for t in cats.get(name, []):
@@ -61,7 +62,8 @@ def memory_report(engine) -> dict:
             if s.size() == 0 or key in seen:
                 continue
             seen.add(key)
-            where = device if s.device == engine.run.device else host
+            on_device = s.device.type == dev.type and (dev.index is None or s.device.index == dev.index)
+            where = device if on_device else host
             where[name] = where.get(name, 0) + s.size()
     out = {"device": {k: device.get(k, 0) for k in MEMORY_CATEGORIES}, "host": host}
     if engine.run.device.type == "cuda":

@@ -360,3 +360,37 @@ def test_a_weight_read_outside_its_module_works_for_a_model_built_under_init():
     ref, _ = R.torch_losses("moe", 3)
     mean = [(a + b) / 2 for a, b in zip(res[0], res[1])]
     assert R.max_rel(mean, ref) <= LOSS_RTOL
+
+
+def _grouped_resume(rank, world, ck):
+    import zeroplug
+    cfg = R.config(2, world, "cpu")
+    m = R.GLOBAL_BATCH // world
+
+    def steps(engine, a, b):
+        for s in range(a, b):
+            engine.backward(engine(**R.batch("gpt2", s, rank * m, (rank + 1) * m)).loss)
+            engine.step()
+
+    model = R.build("gpt2")
+    whole = zeroplug.initialize(model, cfg, model_parameters=_groups(model))
+    steps(whole, 0, 4)
+    want = whole.consolidated_state_dict()
+    whole.close()
+    model = R.build("gpt2")
+    first = zeroplug.initialize(model, cfg, model_parameters=_groups(model))
+    steps(first, 0, 2)
+    first.save_checkpoint(ck)
+    first.close()
+    model = R.build("gpt2")
+    second = zeroplug.initialize(model, cfg, model_parameters=_groups(model))
+    second.load_checkpoint(ck)
+    steps(second, 2, 4)
+    got = second.consolidated_state_dict()
+    second.close()
+    return want, got
+
+
+def test_resume_with_parameter_groups_is_exact(tmp_path):
+    want, got = run_ranks(_grouped_resume, 1, str(tmp_path / "ck"))[0]
+    assert all(torch.equal(want[k], got[k]) for k in want)

@@ -375,7 +375,10 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
             for k, key in ((k, key) for k in need for key in keys):
                 if opt_filled.get((k, key), 0) != need[k]:
                     raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
-            _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys, groups)
+            # parameter groups of one's own (model_parameters) keep the settings the engine was
+            # built with; the saved ones are one group's
+            _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys,
+                                     groups if getattr(part, "groups", None) is None or part.groups.plain else None)
     if not streamed:
         _publish(part, shard_in, follow=not load_master)    # module only: masters follow the weights
     else:
