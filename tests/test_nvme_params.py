@@ -162,3 +162,19 @@ def test_save_with_params_on_nvme_holds_one_unit(tmp_path):
     assert load < all_in / 3
     e.close()
     e2.close()
+
+
+def test_cpu_adam_with_shards_on_nvme_takes_the_clip_factor(tmp_path):
+    """With parameter shards on NVMe, cpu_adam steps without writing the model-dtype copy
+    itself (the tier publishes through the param tier): the unscale x clip factor still
+    reaches it, so training equals the run with the shards in host memory."""
+    out = {}
+    for tier in ("cpu", "nvme"):
+        cfg = _cfg(1, str(tmp_path), tier, max_in_cpu=0)
+        cfg["optimizer"]["plugin"] = "cpu_adam"
+        cfg["batch"]["gradient_clipping"] = 0.05            # every step clipped
+        losses, eng = engine_losses(ToyNet, 4, 8, cfg)
+        out[tier] = (losses, [t.detach().clone() for t in eng.partitioner.master_params()])
+        eng.close()
+    assert out["nvme"][0] == out["cpu"][0]
+    assert all(torch.equal(a, b) for a, b in zip(out["nvme"][1], out["cpu"][1]))

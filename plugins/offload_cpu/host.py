@@ -165,7 +165,7 @@ class HostTier(OffloadTier):
         # own pass: straight into host shards, or into a pinned staging buffer that goes
         # up at 2 bytes per element; otherwise the fp32 master is copied and cast.
         fused = hasattr(optimizer, "step_group") and self.layout.shards_in_memory
-        mult = grad_multiplier(optimizer) if fused else 1.0
+        mult = grad_multiplier(optimizer)     # captured now: the engine clears grad_scale on return
         overlapped = fused and self.overlaps()
         threads = self.overlap_threads() if overlapped else None
         if self.cuda:
@@ -186,11 +186,7 @@ class HostTier(OffloadTier):
                 if not isinstance(lp, list):
                     self._upload(lp, a, b, k)
                 return
-            optimizer.param_groups = [groups[k]]      # step this sub-group only
-            try:
-                optimizer.step()
-            finally:
-                optimizer.param_groups = groups
+            step_group(optimizer, k, grad_multiplier=mult)    # this sub-group only
             self.publish_master(masters[k], a, k)
 
         if overlapped:
