@@ -335,7 +335,7 @@ class Engine:
         self.offload_param.close()
         self.partitioner.close()      # its hooks on the model's parameters held every state alive
 
-    # -- checkpoints (core/checkpoint.py) ------------------------------------------------
+    # -- checkpoints (zeroplug.checkpoint) -------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
         """Save the complete training state under ``save_dir/tag`` (default ``global_step<N>``),
         one file per rank, atomically; every rank must call it. Returns the checkpoint's path."""

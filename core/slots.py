@@ -172,7 +172,7 @@ class Partitioner:
         self.options, self.run = options, run
 
     def setup(self, module: torch.nn.Module, precision: Precision,
-              offload_optimizer: OffloadDevice, offload_param: OffloadDevice, groups=None) -> None:
+              offload_optimizer: OffloadTier, offload_param: OffloadTier, groups=None) -> None:
         """Lay out ``module``'s parameters. ``groups`` (:class:`zeroplug.param_groups.ParamGroups`)
         says which parameter group each trainable parameter is in; ``optimizer_params`` returns
         one torch param group per group with its settings. Parameters with
