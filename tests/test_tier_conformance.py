@@ -61,3 +61,13 @@ def test_suite_catches_a_tier_that_breaks_the_contract(tmp_path):
     pm.register(Plugin(), "lazy")
     with pytest.raises(AssertionError, match="lazy at stage2"):
         check_exact("lazy", {}, "stage2", plugin_manager=pm)
+
+
+def test_a_tier_for_optimizer_states_only_is_refused_for_parameters():
+    import zeroplug
+    from zeroplug.config import load
+    from zeroplug.testing import config
+    pm = TestExampleTier().plugin_manager()
+    cfg = config("stage3", "compressed", params=True)
+    with pytest.raises(zeroplug.ConfigError, match=r"offload.param.plugin = \"compressed\" holds only optimizer"):
+        load(cfg, pm=pm)
