@@ -182,8 +182,10 @@ class TorchRunner:
         sync(self.device)
         return out
 
+    autocast = True        # bf16 autocast on CUDA
+
     def step(self, batches) -> float:
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast and self.device.type == "cuda")
         with autocast:
             loss = _loss_of(_forward(self.model, batches[0]))
         loss.backward()
@@ -227,14 +229,7 @@ class FSDP2Runner(TorchRunner):
         fully_shard(self.model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=self.device.type == "cuda")
 
-    def step(self, batches) -> float:
-        loss = _loss_of(_forward(self.model, batches[0]))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        sync(self.device)
-        return float(loss.detach().float().item())
+    autocast = False       # the mixed-precision policy casts
 
 
 def make_runner(build_model, make_batch, config, device=None, label=None):

@@ -217,7 +217,8 @@ class Engine:
         """Bytes held per category now (low-precision parameters, master, gradients, optimizer
         states, communication buckets, prefetch window; on CUDA the rest), device and host."""
         from .memory import memory_report
-        self.partitioner.wait_optimizer()
+        # Note: sizes only, no values: no wait for an overlapped step (its refills gather
+        # across ranks, and the report may run on one rank alone)
         return memory_report(self)
 
     def _report(self, norm: float, lr: float, skipped: bool) -> None:
@@ -246,10 +247,10 @@ class Engine:
             metrics["print"] = False
         metrics.update(self.phase_clock.take(keep=metrics["print"]))
         self._loss_sum = None
-        if self.global_step == 1 and self.run.rank == 0:   # the persistent states exist from here on
+        if self.global_step == 1 and metrics["print"]:   # the persistent states exist from here on
             from .memory import format_memory_report
             trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-            log.warning("%s", format_memory_report(self.memory_report(), trainable))
+            metrics["memory_report"] = format_memory_report(self.memory_report(), trainable)
         self.last_metrics = metrics
         self.hook.zeroplug_step_end(engine=self, metrics=metrics)    # monitors write on "print" steps
 

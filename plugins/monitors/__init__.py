@@ -37,8 +37,10 @@ class Stdout(Monitor):
 
     def write(self, metrics):
         if self.run.rank == 0 or self.options.all_ranks:
-            print(format_line(metrics), file=sys.stderr if metrics.get("to_stderr") else sys.stdout,
-                  flush=True)
+            out = sys.stderr if metrics.get("to_stderr") else sys.stdout
+            print(format_line(metrics), file=out, flush=True)
+            if "memory_report" in metrics:      # once, after the first step
+                print(metrics["memory_report"], file=out, flush=True)
 
 
 class CSVMonitor(Monitor):

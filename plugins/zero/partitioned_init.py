@@ -27,17 +27,11 @@ import torch
 
 from zeroplug.flat import FlatLayout
 
-# shape questions are answered for the whole parameter, without data; so is detach(), which
-# module.state_dict() calls on every parameter (from_pretrained lists its keys that way):
-# gathering there would hold the whole model at once
-_SHAPE_OPS = {"shape", "ndim", "dim", "size", "numel", "nelement", "is_contiguous", "stride", "__len__",
-              "detach"}
-# metadata and bookkeeping that need no values: asked of the (empty) parameter itself
-_OWN_OPS = {"dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn", "data",
-            "is_floating_point", "is_complex", "element_size", "is_cuda", "is_meta", "is_sparse", "layout",
-            "names", "_is_view", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
-            "__hash__", "_backward_hooks", "_post_accumulate_grad_hooks", "__setstate__", "_base", "is_shared",
-            "untyped_storage", "data_ptr", "storage_offset", "itemsize", "nbytes", "is_pinned"}
+from .unit import OWN_OPS, SHAPE_OPS, NoGatherRepr, op_name
+
+# detach() is answered from the shape too: module.state_dict() calls it on every parameter
+# (from_pretrained lists its keys that way), and gathering there would hold the whole model
+_SHAPE_OPS = SHAPE_OPS | {"detach"}
 # conversions inside Module._apply (.to, to_empty, .half): the values stay in the shard
 _CONVERSIONS = {"to", "cuda", "cpu", "empty_like", "float", "half", "bfloat16", "double", "type", "_to_copy"}
 
@@ -101,32 +95,16 @@ def materialize(group: InitGroup) -> None:
         p.data = v.clone()
 
 
-def _op_name(func) -> str:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__", "__delete__"):
-        return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
-class ShardedParam(torch.nn.Parameter):
+class ShardedParam(NoGatherRepr, torch.nn.Parameter):
     """A parameter built under ``zeroplug.init``: this rank's slice lives in its InitGroup."""
-
-    def __repr__(self):
-        g = self._zp_group
-        return (f"ShardedParam(shape={tuple(g.layout.shapes[g.index_of(self)])}, dtype={self.dtype}, "
-                f"requires_grad={self.requires_grad}; sharded by zeroplug.init)")
-
-    __str__ = __repr__
-
-    def __format__(self, spec):      # no gather: a log line on one rank must not wait for the others
-        return repr(self)
+    _zp_where = "sharded by zeroplug.init"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _op_name(func)
+        name = op_name(func)
         with torch._C.DisableTorchFunctionSubclass():
-            if name in _OWN_OPS or name == "__set__":
+            if name in OWN_OPS:
                 return func(*args, **kwargs)
             me = args[0] if args and isinstance(args[0], ShardedParam) else None
             if name in _SHAPE_OPS and me is not None:

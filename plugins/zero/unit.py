@@ -19,14 +19,28 @@ from zeroplug.flat import FlatLayout, alloc_storage, free_storage
 
 FREE, INFLIGHT, READY = "free", "inflight", "ready"
 
-# what a released parameter can answer without its values
-METADATA_OPS = {"shape", "ndim", "dim", "size", "numel", "nelement", "is_contiguous", "stride", "__len__",
-                "dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn", "data",
-                "is_floating_point", "is_complex", "element_size", "is_cuda", "is_meta", "is_sparse",
-                "layout", "names", "_is_view", "register_hook", "register_post_accumulate_grad_hook",
-                "retain_grad", "__hash__", "_backward_hooks", "_post_accumulate_grad_hooks", "__setstate__",
-                "_base", "is_shared", "untyped_storage", "data_ptr", "storage_offset", "itemsize", "nbytes",
-                "is_pinned", "__set__"}
+# what a parameter answers from its shape alone, and what it answers about itself: neither
+# needs its values (shared with zeroplug.init's ShardedParam)
+SHAPE_OPS = {"shape", "ndim", "dim", "size", "numel", "nelement", "is_contiguous", "stride", "__len__"}
+OWN_OPS = {"dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn", "data",
+           "is_floating_point", "is_complex", "element_size", "is_cuda", "is_meta", "is_sparse", "layout",
+           "names", "_is_view", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+           "__hash__", "_backward_hooks", "_post_accumulate_grad_hooks", "__setstate__", "_base", "is_shared",
+           "untyped_storage", "data_ptr", "storage_offset", "itemsize", "nbytes", "is_pinned", "__set__"}
+METADATA_OPS = SHAPE_OPS | OWN_OPS
+
+
+class NoGatherRepr:
+    """``repr`` / ``format`` of a parameter whose values are sharded: a description, never a
+    gather (a log line on one rank must not wait for the others)."""
+
+    def __repr__(self):
+        return f"Parameter(shape={tuple(self.shape)}, dtype={self.dtype}; {self._zp_where})"
+
+    __str__ = __repr__
+
+    def __format__(self, spec):
+        return repr(self)
 
 
 def op_name(func) -> str:
@@ -38,7 +52,7 @@ def op_name(func) -> str:
     return name
 
 
-class ReleasedParam(torch.nn.Parameter):
+class ReleasedParam(NoGatherRepr, torch.nn.Parameter):
     """A stage-3 parameter whose unit is released (its values are on the ranks' shards).
 
     Note: a module's own forward gathers its unit before it runs. A parameter read
