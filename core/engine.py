@@ -295,7 +295,8 @@ class Engine:
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
                        non_blocking: bool = False, nvme_path: str | None = None) -> None:
         """Move training states off the device (``include``: names or OffloadStateTypeEnum;
-        default all). ``device``: "cpu" or "nvme" (files under ``nvme_path``). Harmless to repeat."""
+        default all) into the offload tier ``device`` names: "cpu" (host memory), "nvme" (files
+        under ``nvme_path``) or another registered tier. Harmless to repeat."""
         from .offload_states import ALL_STATES, engine_state_tensors, make_tier, state_name
         dev = device.value if hasattr(device, "value") else str(device)
         tier = self._mover.tiers.get(dev) or make_tier(self, dev, pin_memory, nvme_path)

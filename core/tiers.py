@@ -316,5 +316,5 @@ def all_exported(tier: OffloadTier, optimizer):
         yield
 
 
-#: the name of older plugins' base class
+#: the same class under the name of its registration hook (zeroplug_register_offload_devices)
 OffloadDevice = OffloadTier
