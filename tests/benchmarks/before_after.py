@@ -98,7 +98,8 @@ def run_one(tree: Path, site: Path, workload: list[str], out_json: Path, extra: 
     return json.loads(out_json.read_text())
 
 
-def run(before: Path, after: Path, rounds: int, only: list[str], nvme_path: str, out: Path) -> int:
+def run(before: Path, after: Path, rounds: int, only: list[str], nvme_path: str, out: Path,
+        steps_override: int | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     trees = {"before": before.resolve(), "after": after.resolve()}
     sites = {k: site_of(t) for k, t in trees.items()}
@@ -106,6 +107,8 @@ def run(before: Path, after: Path, rounds: int, only: list[str], nvme_path: str,
     for i in range(rounds):
         for w in only:
             extra = ["--nvme-path", nvme_path] if w == "nvme" else []
+            if steps_override:
+                extra += ["--steps", str(steps_override)]     # the last --steps wins
             print(f"round {i + 1}/{rounds}, {w}", flush=True)
             for k in (("before", "after") if i % 2 == 0 else ("after", "before")):
                 res = run_one(trees[k], sites[k], WORKLOADS[w], out / f"{w}_{k}_{i}.json", extra)
@@ -137,6 +140,7 @@ def main() -> int:
     r.add_argument("before")
     r.add_argument("after")
     r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--steps", type=int, default=None, help="timed steps per run (default: the workload's)")
     r.add_argument("--only", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     r.add_argument("--nvme-path", default="/root/zeroplug_nvme")
     r.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -144,7 +148,7 @@ def main() -> int:
     if args.what == "export":
         export(args.revisions, Path(args.out))
         return 0
-    return run(Path(args.before), Path(args.after), args.rounds, args.only, args.nvme_path, Path(args.out))
+    return run(Path(args.before), Path(args.after), args.rounds, args.only, args.nvme_path, Path(args.out), args.steps)
 
 
 if __name__ == "__main__":
