@@ -44,7 +44,7 @@ def cmd_plugins(args, overrides) -> int:
 
 
 def cmd_estimate(args, overrides) -> int:
-    from zeroplug.memory import GB
+    from zeroplug.observe.memory import GB
     from zeroplug.tools.probe import estimate_model_states
     act = None
     if args.params:
@@ -94,7 +94,7 @@ def cmd_docs(args, overrides) -> int:
         print(compat_markdown())
         return 0
     from zeroplug.config import CORE_TABLES, SLOT_TABLES
-    from zeroplug.options import option_docs
+    from zeroplug.cli.reference import option_docs
     from zeroplug.registry import get_plugin_manager
     pm = get_plugin_manager()
     out = ["# Configuration reference", "",

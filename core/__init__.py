@@ -9,7 +9,7 @@ from .config import Config, load as load_config
 from .engine import Engine, init, initialize
 from .errors import ConfigError, PluginError, StateError, ZeroplugError
 from .hookspecs import hookimpl
-from .offload_states import OffloadDeviceEnum, OffloadStateTypeEnum, get_state_devices
+from zeroplug.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum, get_state_devices
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init", "Engine", "Config", "load_config", "hookimpl",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 import weakref
 from contextlib import contextmanager
 
@@ -23,8 +22,7 @@ import torch
 from . import config as config_mod
 from .comm import Comm
 from .errors import StateError, StepFailedError
-from .memory import device_memory, host_rss_bytes
-from .phases import PhaseClock
+from zeroplug.observe.metrics import StepMetrics
 from .registry import get_plugin_manager
 from .slots import RunContext
 
@@ -99,12 +97,10 @@ class Engine:
         self.lr_step = 0              # steps taken: what the schedule counts
         self.tokens_per_sample: int | None = None
         self.states_offloaded: set[str] = set()
-        from .offload_states import StateMover
+        from zeroplug.offload_states import StateMover
         self._mover = StateMover()
-        self._loss_sum = None
-        self._last_step_end = None
-        self._timed = (0, 0.0)        # (steps, seconds) for the running average
-        self.phase_clock = PhaseClock(self.run.device)   # phase_* metrics on reported steps
+        self.metrics = StepMetrics(self.run.device)
+        self.phase_clock = self.metrics.clock     # phase_* metrics on reported steps
         self._set_lr(self.scheduler.lr_at(0))
         self.hook.zeroplug_engine_created(engine=self)
 
@@ -135,14 +131,11 @@ class Engine:
         boundary (the plain PyTorch loop); either way one optimizer step per window."""
         self._require_states("backward")
         self.phase_clock.mark("backward")
-        if self._last_step_end is None:
-            self._last_step_end = time.perf_counter()
         gas = self.gradient_accumulation_steps
         self.run.at_boundary = self.micro_steps_in_window + 1 >= gas
         self.run.first_micro_step = self.micro_steps_in_window == 0
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
-        d = loss.detach().float()
-        self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+        self.metrics.backward(loss)
         self.partitioner.before_backward()
         self.precision.scale_loss(scaled).backward()
         self.micro_step += 1
@@ -216,43 +209,14 @@ class Engine:
     def memory_report(self) -> dict:
         """Bytes held per category now (low-precision parameters, master, gradients, optimizer
         states, communication buckets, prefetch window; on CUDA the rest), device and host."""
-        from .memory import memory_report
+        from zeroplug.observe.memory import memory_report
         # Note: sizes only, no values: no wait for an overlapped step (its refills gather
         # across ranks, and the report may run on one rank alone)
         return memory_report(self)
 
     def _report(self, norm: float, lr: float, skipped: bool) -> None:
-        self.phase_clock.mark("other")     # the loop's own work until the next forward
-        now = time.perf_counter()
-        dt = now - (self._last_step_end or now)
-        self._last_step_end = now
-        if self.global_step > 2:      # warm-up steps stay out of the running average
-            n, t = self._timed
-            self._timed = (n + 1, t + dt)
-        every = self.config.batch.steps_per_print
-        metrics = {"step": self.global_step, "lr": lr, "loss_scale": self.precision.loss_scale,
-                   "grad_norm": norm, "skipped": skipped, "skipped_steps": self.skipped_steps,
-                   "step_time": dt}
-        if self.global_step % every == 0 or self.global_step == 1:
-            loss = self._loss_sum.item() / self.gradient_accumulation_steps
-            cur = self.train_batch_size / dt if dt > 0 else float("nan")
-            n, t = self._timed
-            avg = self.train_batch_size * n / t if t > 0 else cur
-            alloc, peak = device_memory(self.run.device)
-            metrics.update(loss=loss, samples_per_sec=cur, avg_samples_per_sec=avg,
-                           tokens_per_sec=cur * (self.tokens_per_sample or 0),
-                           mem_allocated=alloc, max_mem_allocated=peak, host_rss=host_rss_bytes(),
-                           print=True)
-        else:
-            metrics["print"] = False
-        metrics.update(self.phase_clock.take(keep=metrics["print"]))
-        self._loss_sum = None
-        if self.global_step == 1 and metrics["print"]:   # the persistent states exist from here on
-            from .memory import format_memory_report
-            trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-            metrics["memory_report"] = format_memory_report(self.memory_report(), trainable)
-        self.last_metrics = metrics
-        self.hook.zeroplug_step_end(engine=self, metrics=metrics)    # monitors write on "print" steps
+        self.last_metrics = self.metrics.step_end(self, norm, lr, skipped)
+        self.hook.zeroplug_step_end(engine=self, metrics=self.last_metrics)    # monitors write on "print" steps
 
     # -- modes and views -----------------------------------------------------------
     def train(self, mode: bool = True):
@@ -297,19 +261,7 @@ class Engine:
         """Move training states off the device (``include``: names or OffloadStateTypeEnum;
         default all) into the offload tier ``device`` names: "cpu" (host memory), "nvme" (files
         under ``nvme_path``) or another registered tier. Harmless to repeat."""
-        from .offload_states import ALL_STATES, engine_state_tensors, make_tier, state_name
-        dev = device.value if hasattr(device, "value") else str(device)
-        tier = self._mover.tiers.get(dev) or make_tier(self, dev, pin_memory, nvme_path)
-        self._mover.tiers[dev] = tier
-        names = [state_name(s) for s in include] if include is not None else list(ALL_STATES)
-        self.partitioner.release_all()      # drains in-flight prefetches first (stage 3)
-        if self.run.device.type == "cuda":
-            torch.cuda.synchronize()
-        tensors = engine_state_tensors(self)
-        for name in names:
-            self._mover.offload(tensors[name], tier, non_blocking)
-            self.states_offloaded.add(name)
-        self.hook.zeroplug_offload_states(engine=self, include=set(names), device=dev)
+        self._mover.offload_engine(self, include, device, pin_memory, non_blocking, nvme_path)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring every offloaded state back, bit-identical. Harmless when nothing is offloaded."""

@@ -55,3 +55,18 @@ def test_zero_uses_no_private_attribute_of_the_optimizer():
     found = [f"{f.name}:{node.lineno} .{node.attr}" for f in ZERO for node in ast.walk(ast.parse(f.read_text()))
              if isinstance(node, ast.Attribute) and node.attr in ("_find_group", "step_param", "grad_multiplier")]
     assert not found, found
+
+
+#: the core's budget: the step, the hooks and the contracts; everything else lives beside it
+CORE_LINES = 2000
+FILE_LINES = 500
+
+
+def test_core_stays_small_and_no_source_file_is_long():
+    core = sum(len(p.read_text().splitlines()) for p in (ROOT / "core").glob("*.py"))
+    assert core <= CORE_LINES, f"core/ has {core} lines (budget {CORE_LINES}): move what is not the step out"
+    packages = [ROOT / d for d in ("core", "plugins", "checkpoint", "convert", "workload", "cli", "tools",
+                                   "benchmarking", "integrations", "testing", "observe", "offload_states", "locks")]
+    long = {str(p.relative_to(ROOT)): n for d in packages for p in d.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > FILE_LINES}
+    assert not long, f"source files over {FILE_LINES} lines: {long}"

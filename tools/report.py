@@ -16,7 +16,7 @@ from pathlib import Path
 from zeroplug.errors import ZeroplugError
 
 GiB = 1024 ** 3
-PHASE_LABELS = {   # the engine's phases (zeroplug.phases.PHASES), as a reader names them
+PHASE_LABELS = {   # the engine's phases (zeroplug.observe.phases.PHASES), as a reader names them
     "forward": "forward",
     "backward": "backward",
     "wait_gradients": "waiting for gradients (reductions, offload copies)",

@@ -4,7 +4,7 @@
    space at ``--nvme-path``.
 2. Measure the model's activation memory for the batch with a probe step
    (:mod:`zeroplug.tools.probe`) and estimate each candidate's device, host and disk bytes
-   (model states by the ZeRO accounting of :mod:`zeroplug.memory`, plus the activations).
+   (model states by the ZeRO accounting of :mod:`zeroplug.observe.memory`, plus the activations).
 3. Run a few steps of each candidate that fits, most promising first (seed 001's order:
    everything on the device, then the optimizer on the CPU, then the parameters too, then
    NVMe). Once a tier has run, only the first candidate of the next tier is tried; when it
@@ -83,7 +83,7 @@ class Machine:
 
 
 def read_machine(device: torch.device, nvme_path: str | None) -> Machine:
-    from zeroplug.memory import host_available_bytes
+    from zeroplug.observe.memory import host_available_bytes
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)

@@ -7,9 +7,9 @@ import sys
 from dataclasses import dataclass
 
 from zeroplug import hookimpl
-from zeroplug.memory import GB
+from zeroplug.observe.memory import GB
 from zeroplug.options import opt
-from zeroplug.phases import PHASES
+from zeroplug.observe.phases import PHASES
 from zeroplug.slots import Monitor
 
 from .tensorboard import TensorBoard

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplug.errors import ConfigError
-from zeroplug.memory import GB
+from zeroplug.observe.memory import GB
 from zeroplug.options import opt
 from zeroplug.slots import Monitor
 

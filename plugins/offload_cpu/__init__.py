@@ -11,7 +11,7 @@ import torch
 from zeroplug import hookimpl
 from zeroplug.errors import HostMemoryError
 from zeroplug.flat import mixed_grad_ok
-from zeroplug.memory import GB, host_available_bytes
+from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.options import opt
 from zeroplug.tiers import OffloadTier, reads_grad_dtype
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from zeroplug.errors import ConfigError
 from zeroplug.locks import UNSUPPORTED, holder_record, read_holder, try_lock
-from zeroplug.memory import GB
+from zeroplug.observe.memory import GB
 
 from .errors import SwapPathError, explain
 

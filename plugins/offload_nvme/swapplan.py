@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroplug.errors import ConfigError
-from zeroplug.memory import host_available_bytes
+from zeroplug.observe.memory import host_available_bytes
 
 from .directio import ALIGN, _align
 from .errors import SwapMemoryError, SwapSpaceError

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroplug.memory import GB, host_available_bytes
+from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.plugins.offload_cpu.host import HostTier
 from zeroplug.tiers import TierCapabilities
 

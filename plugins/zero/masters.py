@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from zeroplug.flat import set_grad, sub_group_ranges
+from zeroplug.flat import set_grad
+from .flat_layout import sub_group_ranges
 
 
 def make_masters(part) -> None:

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from zeroplug.flat import FlatLayout
+from .flat_layout import FlatLayout
 
 from .unit import OWN_OPS, SHAPE_OPS, NoGatherRepr, op_name
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from zeroplug.errors import StateError
-from zeroplug.flat import FlatLayout
+from .flat_layout import FlatLayout
 from zeroplug.param_groups import ParamGroups
 from zeroplug.slots import Partitioner
 from zeroplug.tiers import all_exported
@@ -370,7 +370,7 @@ class FlatPartitioner(Partitioner):
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors behind each memory category (zeroplug.memory.memory_report)."""
+        """The tensors behind each memory category (zeroplug.observe.memory.memory_report)."""
         from .unit import FREE
         return {
             "lp_params": [u.full for u in self.all_units if u.persistent]

@@ -18,7 +18,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplug.errors import StateError
-from zeroplug.flat import FlatLayout, free_storage
+from zeroplug.flat import free_storage
+from .flat_layout import FlatLayout
 from zeroplug.tiers import Layout, UnitShard
 
 from .partitioned_init import PartitionedInit, flush_pending, materialize

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-from zeroplug.flat import FlatLayout, alloc_storage, free_storage
+from zeroplug.flat import alloc_storage, free_storage
+from .flat_layout import FlatLayout
 
 FREE, INFLIGHT, READY = "free", "inflight", "ready"
 

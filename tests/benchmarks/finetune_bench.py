@@ -39,7 +39,7 @@ def build(layers: int, hidden: int):
 def run(mode: str, args) -> dict:
     import zeroplug
     from zeroplug.flat import storage_bytes
-    from zeroplug.memory import host_rss_bytes
+    from zeroplug.observe.memory import host_rss_bytes
     model = build(args.layers, args.hidden)
     if mode == "lora":
         import peft

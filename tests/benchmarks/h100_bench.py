@@ -25,7 +25,7 @@ import time
 import torch
 
 import zeroplug
-from zeroplug.memory import GB, host_rss_bytes
+from zeroplug.observe.memory import GB, host_rss_bytes
 from zeroplug.workload.models import GPT, flops_per_token, get_preset, param_count
 
 

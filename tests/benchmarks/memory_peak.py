@@ -74,7 +74,7 @@ def main():
           f"{torch.cuda.max_memory_allocated() / G:.2f} GiB; the step's own peak above that {peak / G:.2f} GiB")
     for label, size in groups.most_common(args.top):
         print(f"  {size / G:7.3f} GiB  {label}")
-    from zeroplug.memory import format_memory_report
+    from zeroplug.observe.memory import format_memory_report
     print(format_memory_report(engine.memory_report(), sum(p.numel() for p in model.parameters())))
 
 

@@ -33,7 +33,7 @@ import torch
 
 import zeroplug
 from zeroplug.workload.data import ByteBatches, stdlib_corpus
-from zeroplug.memory import host_rss_bytes
+from zeroplug.observe.memory import host_rss_bytes
 from zeroplug.workload.models import GPT, get_preset
 
 MiB = 2**20

@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from .errors import StateError, ZeroplugError
+from zeroplug.errors import StateError, ZeroplugError
 
 
 class OffloadStateTypeEnum(str, enum.Enum):
@@ -51,8 +51,8 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 def make_tier(engine, device: str, pin_memory: bool, nvme_path: str | None):
     """The offload tier named ``device``, for ``offload_states`` (kind "states"): its options
     are its defaults with ``pin_memory`` and ``nvme_path`` where it has them."""
-    from .options import build_options, fields_of
-    from .tiers import OffloadTier
+    from zeroplug.options import build_options, fields_of
+    from zeroplug.tiers import OffloadTier
     key = "offload_states(device)"
     reg = engine.plugin_manager.get("offload", device, key=key)
     given = {"pin_memory": pin_memory, "nvme_path": nvme_path or tempfile.gettempdir()}
@@ -74,6 +74,23 @@ class StateMover:
     def location(self, t: torch.Tensor) -> torch.device:
         entry = self.moved.get(t.untyped_storage()._cdata)
         return t.device if entry is None else entry[1].device     # files count as host memory
+
+    def offload_engine(self, engine, include, device, pin_memory: bool, non_blocking: bool,
+                       nvme_path: str | None) -> None:
+        """``engine.offload_states``: the named states into the tier ``device`` names, each
+        marked in ``engine.states_offloaded`` as soon as it has moved."""
+        dev = device.value if hasattr(device, "value") else str(device)
+        tier = self.tiers.get(dev) or make_tier(engine, dev, pin_memory, nvme_path)
+        self.tiers[dev] = tier
+        names = [state_name(s) for s in include] if include is not None else list(ALL_STATES)
+        engine.partitioner.release_all()      # drains in-flight prefetches first (stage 3)
+        if engine.run.device.type == "cuda":
+            torch.cuda.synchronize()
+        tensors = engine_state_tensors(engine)
+        for name in names:
+            self.offload(tensors[name], tier, non_blocking)
+            engine.states_offloaded.add(name)
+        engine.hook.zeroplug_offload_states(engine=engine, include=set(names), device=dev)
 
     def offload(self, tensors, tier, non_blocking: bool) -> None:
         for t in tensors:

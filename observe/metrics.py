@@ -1,0 +1,58 @@
+"""The metrics of each optimizer step, as the engine hands them to the monitors.
+
+Every step gets ``step``, ``lr``, ``loss_scale``, ``grad_norm``, ``skipped``,
+``skipped_steps`` and ``step_time`` (wall time since the previous step ended) plus the
+phase times (``phase_*``, :mod:`zeroplug.observe.phases`); a printed step (every
+``steps_per_print`` and the first) adds the loss, throughput and memory readings, and the
+first step the memory report (the persistent states exist from there on)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .memory import device_memory, format_memory_report, host_rss_bytes
+from .phases import PhaseClock
+
+
+class StepMetrics:
+    def __init__(self, device: torch.device):
+        self.clock = PhaseClock(device)
+        self.last_step_end: float | None = None
+        self.timed = (0, 0.0)           # (steps, seconds) for the running average
+        self.loss_sum: torch.Tensor | None = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """A micro-step's loss (detached) joins the window's sum."""
+        if self.last_step_end is None:
+            self.last_step_end = time.perf_counter()
+        d = loss.detach().float()
+        self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
+
+    def step_end(self, engine, norm: float, lr: float, skipped: bool) -> dict:
+        self.clock.mark("other")     # the loop's own work until the next forward
+        now = time.perf_counter()
+        dt = now - (self.last_step_end or now)
+        self.last_step_end = now
+        if engine.global_step > 2:      # warm-up steps stay out of the running average
+            n, t = self.timed
+            self.timed = (n + 1, t + dt)
+        every = engine.config.batch.steps_per_print
+        metrics = {"step": engine.global_step, "lr": lr, "loss_scale": engine.precision.loss_scale,
+                   "grad_norm": norm, "skipped": skipped, "skipped_steps": engine.skipped_steps,
+                   "step_time": dt, "print": engine.global_step % every == 0 or engine.global_step == 1}
+        if metrics["print"]:
+            loss = self.loss_sum.item() / engine.gradient_accumulation_steps
+            batch = engine.train_batch_size
+            cur = batch / dt if dt > 0 else float("nan")
+            n, t = self.timed
+            alloc, peak = device_memory(engine.run.device)
+            metrics.update(loss=loss, samples_per_sec=cur, avg_samples_per_sec=batch * n / t if t > 0 else cur,
+                           tokens_per_sec=cur * (engine.tokens_per_sample or 0),
+                           mem_allocated=alloc, max_mem_allocated=peak, host_rss=host_rss_bytes())
+        metrics.update(self.clock.take(keep=metrics["print"]))
+        self.loss_sum = None
+        if engine.global_step == 1 and metrics["print"]:
+            trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+            metrics["memory_report"] = format_memory_report(engine.memory_report(), trainable)
+        return metrics
