@@ -200,8 +200,9 @@ def compiler_missing() -> str | None:
     try:
         get_cpp_compiler()
     except Exception as e:
-        cxx = os.environ.get("CXX") or "g++"
-        return f"no C++ compiler found (looked for {cxx}: {type(e).__name__}); install g++ or set CXX"
+        from torch._inductor import config
+        cxx = [c for c in getattr(config.cpp, "cxx", ()) if c] or ["g++"]
+        return f"no C++ compiler found (looked for {', '.join(cxx)}: {type(e).__name__}); install g++ or set CXX"
     return None
 
 
