@@ -174,6 +174,9 @@ class CPUAdam(torch.optim.Optimizer):
         use: the keys :meth:`warm_up` takes (none when every such step is eager)."""
         if self.impl == "eager":
             return []
+        largest = max((p.numel() for g in self.param_groups for p in g["params"]), default=0)
+        if largest < _MIN_COMPILE_NUMEL and self.impl != "compile":
+            return []           # every call takes the eager path (compiled-call overhead)
         modes = sorted({bool(g["adamw_mode"]) for g in self.param_groups})
         lp = torch.empty(0, dtype=lp_dtype) if lp_dtype is not None else None
         return [(m, g, lp_dtype) for m in modes for g in dict.fromkeys(grad_dtypes)
