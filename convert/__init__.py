@@ -397,8 +397,9 @@ class _Translator:
                 plugin = "auto" if w else "cpu_adam"
             else:
                 plugin = "adamw" if w else "adam"
-            if plugin in ("auto", "cpu_adam"):
-                _set(self.raw, "optimizer.adamw_mode", bool(w))
+            if plugin in ("auto", "cpu_adam") and not w:
+                # true is the default: left out, so that --optimizer.plugin=adamw still applies
+                _set(self.raw, "optimizer.adamw_mode", False)
         self.t.origin["optimizer.plugin"] = "optimizer.type"
         _set(self.raw, "optimizer.plugin", plugin)
         self.walk("optimizer.params", params)

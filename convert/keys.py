@@ -74,7 +74,8 @@ RULES: dict[str, Rule] = {
                                  quiet=(False,)),
     # --- optimizer and schedule (convert.py: the type picks the plugin) -----------------
     "optimizer": moved("optimizer.plugin", "type Adam/AdamW: adamw (adam with adam_w_mode = false); with "
-                       "offload_optimizer: auto (cpu_adam); SGD: sgd; bias_correction = false: cpu_adam"),
+                       "offload_optimizer: auto (cpu_adam, as DeepSpeed picks DeepSpeedCPUAdam, torch_adam "
+                       "or not); SGD: sgd; bias_correction = false: cpu_adam"),
     "optimizer.type": moved("optimizer.plugin", "see optimizer"),
     "optimizer.params": moved("[optimizer]", "the keys below"),
     "optimizer.legacy_fusion": ignored("an old fp16 fusion switch; zeroplug's step is fused already",
@@ -92,8 +93,10 @@ RULES: dict[str, Rule] = {
     "optimizer.params.bias_correction": moved("optimizer.bias_correction",
                                               "false: cpu_adam, the optimizer with that switch (it steps "
                                               "states held in CPU memory: a CPU run or offload_optimizer)"),
-    "optimizer.params.torch_adam": ignored("zeroplug runs torch's fused Adam/AdamW (cpu_adam for CPU-held "
-                                           "states): the same update as DeepSpeed's FusedAdam"),
+    "optimizer.params.torch_adam": ignored("DeepSpeed's way around building its own Adam kernels; zeroplug "
+                                           "builds none: torch's fused Adam/AdamW on the GPU, cpu_adam for "
+                                           "offloaded states, the same update (optimizer.plugin = \"adamw\" runs "
+                                           "torch's on the CPU too)"),
     "optimizer.params.adamw_mode": moved("optimizer.adamw_mode", "DeepSpeedCPUAdam's spelling of adam_w_mode"),
     "optimizer.params.max_grad_norm": ignored(
         "DeepSpeed does not clip with it either (it warns, newer versions refuse): set gradient_clipping",
@@ -430,6 +433,12 @@ def compat_markdown() -> str:
     out += ["", "`optimizer.type`: Adam and AdamW (DeepSpeed's Adam is AdamW unless `adam_w_mode` is false) "
             "and SGD are translated; refused, as another update rule would train another model: "
             + ", ".join(OTHER_OPTIMIZERS) + ".", "",
+            "With `offload_optimizer`, Adam and AdamW become `optimizer.plugin = \"auto\"`: cpu_adam steps the "
+            "offloaded states on the CPU with the config's `lr`, `betas`, `eps` and `weight_decay`, as "
+            "DeepSpeed runs DeepSpeedCPUAdam there (`adam_w_mode = false` gives cpu_adam with "
+            "`adamw_mode = false`). A choice on the command line or in TOML still wins, e.g. "
+            "`--optimizer.plugin=adamw` for torch's AdamW on the CPU; cpu_adam's threads are "
+            "`--optimizer.threads` (default: the rank's share of the cores).", "",
             "`scheduler.type`: WarmupLR, WarmupDecayLR and WarmupCosineLR are translated; refused, as "
             "another schedule would train with other learning rates: " + ", ".join(OTHER_SCHEDULERS) + ".", "",
             "## \"auto\"", "",

@@ -13,3 +13,7 @@ torch.set_num_threads(1)
 # land on CUDA and meet CPU batches. GPU tests pass device="cuda" explicitly. Spawned
 # ranks inherit the variable.
 os.environ.setdefault("ZEROPLUG_DEVICE", "cpu")
+
+# Note: cpu_adam gives torch the cores of the rank by default; the tests keep one thread
+# (see above), and spawned ranks inherit it. tests/test_cpu_adam_threads.py clears it.
+os.environ.setdefault("ZEROPLUG_CPU_ADAM_THREADS", "1")

@@ -37,6 +37,9 @@ import torch
 from zeroplug.flat import set_grad
 from zeroplug.tiers import OffloadTier, TierCapabilities, grad_multiplier, step_group
 
+#: elements of the fp32 device buffer that publishes a master without a fused copy (64 MiB)
+PUBLISH_CHUNK = 1 << 24
+
 
 class HostTier(OffloadTier):
     """Masters, gradients and optimizer states in host memory; the optimizer steps them there."""
@@ -108,7 +111,7 @@ class HostTier(OffloadTier):
                 self.grad_at[u.index] = (u.start, u.start + u.numel)
                 if u.numel:      # an empty shard on this rank belongs to no sub-group
                     self.sub_group_of[u.index] = k
-        self.staging: list[torch.Tensor] = []        # device fp32 ring (master copied, then cast)
+        self.staging: list[torch.Tensor] = []        # device fp32 chunk (master copied, then cast)
         self.host_staging: list[torch.Tensor] = []   # host model-dtype ring (written by step_group)
         self.events: dict = {}
         self._worker: ThreadPoolExecutor | None = None
@@ -292,11 +295,17 @@ class HostTier(OffloadTier):
                 u.shard[x:y].copy_(src[s:s + y - x], non_blocking=True)
             self.events[("staging", k % 2)] = self.h2d.record_event()
 
-    def _staging(self, k: int, n: int) -> torch.Tensor:
-        size = max(b - a for a, b in self.ranges)
-        while len(self.staging) < 2:
+    def _staging(self) -> torch.Tensor:
+        """The device buffer an optimizer without a fused copy (torch's Adam on the CPU)
+        publishes through, one chunk at a time.
+
+        Note: a chunk, not a sub-group: with DeepSpeed's default sub_group_size (1e9) a
+        whole-sub-group fp32 ring held 8 GB of GPU memory. The copy and the cast run in
+        order on the h2d stream, so one buffer is reused safely."""
+        size = min(PUBLISH_CHUNK, max(b - a for a, b in self.ranges))
+        if not self.staging:
             self.staging.append(torch.empty(size, dtype=torch.float32, device=self.train_device))
-        return self.staging[k % 2][:n]
+        return self.staging[0]
 
     def publish(self, k: int, optimizer) -> None:
         self.publish_master(self.masters[k], self.ranges[k][0], k)
@@ -306,12 +315,19 @@ class HostTier(OffloadTier):
         b = a + master.numel()
         if self.cuda and self.layout.units[0].shard.device.type == "cuda":
             with torch.cuda.stream(self.h2d):
-                src = self._staging(k, b - a)
-                src.copy_(master, non_blocking=True)
-                self._scatter(src, a, b)
+                self.publish_chunks(master, a, b)
                 self.events[k] = self.h2d.record_event()
         else:
             self._scatter(master, a, b)
+
+    def publish_chunks(self, master: torch.Tensor, a: int, b: int) -> None:
+        """Master elements [a, b) through the staging buffer into their shards, in chunks."""
+        buf = self._staging()
+        for s in range(0, b - a, buf.numel()):
+            e = min(b - a, s + buf.numel())
+            src = buf[:e - s]
+            src.copy_(master[s:e], non_blocking=True)
+            self._scatter(src, a + s, a + e)
 
     def publish_done(self, k: int) -> None:
         """Block until sub-group k's upload no longer reads its host master."""

@@ -7,6 +7,7 @@ model trains on a GPU, else adamw.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,6 +17,8 @@ from zeroplug import hookimpl
 from zeroplug.errors import ConfigError
 from zeroplug.options import opt
 from zeroplug.slots import OptimizerFactory
+
+log = logging.getLogger("zeroplug")
 
 IMPLEMENTATION_HELP = ("Kernel: \"fused\" (one kernel for all tensors), \"foreach\" (multi-tensor ops) "
                        "or \"auto\" (fused where torch has it for the device).")
@@ -64,6 +67,10 @@ class CPUAdamOptions(AdamBaseOptions):
     adamw_mode: bool = opt(True, "true: decoupled weight decay (AdamW); false: L2 (Adam).")
     bias_correction: bool = opt(True, "Apply Adam's bias correction.")
     amsgrad: bool = opt(False, "Not implemented by cpu_adam: setting it true is an error.")
+    threads: int = opt(0, "CPU threads of this rank's optimizer step (torch's intra-op threads too): 0 = the "
+                          "cores this rank may use (CPU affinity and cgroup quota, divided among the ranks of the "
+                          "host, LOCAL_WORLD_SIZE), whatever OMP_NUM_THREADS says; more than that is clamped, "
+                          "with a warning.", min=0)
 
     def validate(self, path: str) -> None:
         if self.amsgrad:
@@ -82,9 +89,33 @@ class CPUAdam(OptimizerFactory):
 
     def build(self, params, device):
         from .cpu_adam import CPUAdam as Impl
+        from .cpu_cores import apply_threads
         o = self.options
-        return Impl(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                    adamw_mode=o.adamw_mode, bias_correction=o.bias_correction)
+        first = self.run.rank == 0
+        threads = apply_threads(o.threads, first, log).threads
+        optimizer = Impl(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                         adamw_mode=o.adamw_mode, bias_correction=o.bias_correction, threads=threads)
+        self.warm_up = start_warm_up(optimizer, self.run, threads, first)
+        return optimizer
+
+
+def start_warm_up(optimizer, run, threads: int, announce: bool):
+    """Build the kernel variants the steps will call, on a background thread (cpu_adam_warmup).
+
+    Note: an offload tier allocates the masters' gradient buffers when it plans, so their
+    dtype is the one its steps pass; it then writes the model-dtype copy in the same pass
+    (lp = the precision's param_dtype, the slot's declared attribute). Masters without a
+    gradient buffer are stepped by ``optimizer.step()``: fp32 gradients, no copy. Thread
+    counts: the serial step's, and the overlapped step's (one core left to the loop)."""
+    from .cpu_adam_warmup import WarmUp
+    grads = [p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if grads:
+        lp = getattr(run.config.slot("precision").impl, "param_dtype", torch.float32)
+    else:
+        grads, lp = [torch.float32], None
+    keys = optimizer.kernel_variants(grads, lp)
+    counts = (threads, threads - 1) if threads > 1 else (threads,)
+    return WarmUp(optimizer, keys, counts, announce=announce).start()
 
 
 class AutoOptimizer(OptimizerFactory):

@@ -73,6 +73,7 @@ class CPUAdam(torch.optim.Optimizer):
         bias_correction: bool = True,
         amsgrad: bool = False,
         impl: str | None = None,
+        threads: int | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError(
@@ -91,6 +92,8 @@ class CPUAdam(torch.optim.Optimizer):
         if impl not in _IMPLS:
             raise ValueError(f"cpu_adam impl must be one of {_IMPLS}, got {impl!r}")
         self.impl = impl
+        # the compiled kernel's OpenMP threads when a call names none (None: torch's count)
+        self.threads = int(threads) if threads else None
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
             adamw_mode=adamw_mode, bias_correction=bias_correction, amsgrad=False,
@@ -104,6 +107,7 @@ class CPUAdam(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("impl", "auto")
+        self.__dict__.setdefault("threads", None)
         self.grad_scale = None
         self._group_of = {}
         self._tls = threading.local()
@@ -162,8 +166,32 @@ class CPUAdam(torch.optim.Optimizer):
         if adamw_mode is None:
             adamw_mode = bool(self.param_groups[0]["adamw_mode"])
         key = (adamw_mode, grad_dtype, lp_dtype)
-        fn = _kernels._COMPILED.get(key, strict=self.impl == "compile")
+        fn = _kernels._COMPILED.get(key, strict=self.impl == "compile", threads=self.threads)
         return "compile" if fn is not None else "eager"
+
+    def kernel_variants(self, grad_dtypes, lp_dtype) -> list[tuple]:
+        """The compiled variants (adamw, grad dtype, lp dtype) that steps with these dtypes
+        use: the keys :meth:`warm_up` takes (none when every such step is eager)."""
+        if self.impl == "eager":
+            return []
+        largest = max((p.numel() for g in self.param_groups for p in g["params"]), default=0)
+        if largest < _MIN_COMPILE_NUMEL and self.impl != "compile":
+            return []           # every call takes the eager path (compiled-call overhead)
+        modes = sorted({bool(g["adamw_mode"]) for g in self.param_groups})
+        lp = torch.empty(0, dtype=lp_dtype) if lp_dtype is not None else None
+        return [(m, g, lp_dtype) for m in modes for g in dict.fromkeys(grad_dtypes)
+                if self._wants_compiled(g, lp, 0.5, _MIN_COMPILE_NUMEL)]
+
+    def warm_up(self, keys, thread_counts=(None,)) -> dict:
+        """Build (or load from inductor's cache) and probe each variant in ``keys`` for each
+        thread count (None: this optimizer's ``threads``), so that no step compiles. Returns
+        ``{key: "compile" | "eager"}``; failures fall back to eager as in a step."""
+        out = {}
+        for key in keys:
+            for t in thread_counts:
+                fn = _kernels._COMPILED.get(key, strict=self.impl == "compile", threads=t or self.threads)
+                out[key] = "compile" if fn is not None else "eager"
+        return out
 
     # -- stepping -----------------------------------------------------------------
     @torch.no_grad()
@@ -201,8 +229,9 @@ class CPUAdam(torch.optim.Optimizer):
         of one dtype that together hold ``p.numel()`` elements, filled in order (the
         parameter shards of the units a sub-group spans).  Safe to call from a worker
         thread while other parameters' gradients are still arriving. ``threads``: the
-        compiled kernel's OpenMP threads (default all of torch's; fewer leave cores to a
-        training loop running beside the step; the eager path ignores it).
+        compiled kernel's OpenMP threads (default: the optimizer's ``threads``, else all of
+        torch's; fewer leave cores to a training loop running beside the step; the eager
+        path ignores it).
         """
         if grad is None:
             grad = p.grad
@@ -247,6 +276,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError("cpu_adam: lp_out must be a CPU bf16/fp16/fp32 tensor of p.numel()")
         n = p.numel()
         fn = None
+        threads = threads or self.threads
         if self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
             key = (bool(group["adamw_mode"]), grad.dtype,
                    lp_out.dtype if lp_out is not None else None)

@@ -99,79 +99,111 @@ def _compile(adamw: bool, has_lp: bool, threads: int | None) -> Callable:
         options["cpp_wrapper"] = True
     if threads:
         options["cpp.threads"] = int(threads)
+    # the on-disk FX graph cache makes a later process load the kernel instead of building it
+    options["fx_graph_cache"] = True
     return torch.compile(_KERNELS[(adamw, has_lp)], dynamic=True, fullgraph=True, options=options)
 
 
 class _Compiled:
     """Process-wide lazily compiled kernels.
 
-    One ``torch.compile`` d function per (adamw, has lp) pair; each (adamw, grad dtype,
-    lp dtype) variant is probed once (compiled and checked) before first use.
-    """
+    One ``torch.compile`` d function per (adamw, has lp, threads); each (adamw, grad dtype,
+    lp dtype) variant is probed (compiled and checked against the eager path) with each
+    thread count before its first use. Note: the thread count is fixed in the kernel
+    (``cpp.threads``) rather than read from OpenMP at call time, because the step may run on
+    a worker thread whose OpenMP setting is not the one torch was given (torchrun's
+    ``OMP_NUM_THREADS=1``, say), and a fixed count keys inductor's on-disk cache."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.fns: dict[tuple, Callable] = {}
         self.ok: dict[tuple, bool] = {}
+        self.ready: set[tuple] = set()        # (key, threads) probed
         self.speed: dict[tuple, dict] = {}
         self.errors: dict[tuple, str] = {}
+        self.compiler_error: str | None = None  # "no C++ compiler": said once
+        # a background warm-up (cpu_adam_warmup.py): steps wait for it rather than compiling
+        self.warming: threading.Event | None = None
+        self.warm_up_threads: set[int] = set()
+
+    def wait_warm_up(self) -> None:
+        ev = self.warming
+        if ev is not None and not ev.is_set() and threading.get_ident() not in self.warm_up_threads:
+            ev.wait()
 
     def get(self, key: tuple, strict: bool, threads: int | None = None) -> Callable | None:
         """key = (adamw, grad dtype, lp dtype or None); ``threads``: OpenMP threads of the
         kernel (None: torch.get_num_threads() when it is compiled)."""
-        ok = self.ok.get(key)
-        if ok is None:
+        if (key, threads) not in self.ready and self.ok.get(key) is not False:
+            self.wait_warm_up()
             with self.lock:
-                ok = self.ok.get(key)
-                if ok is None:
-                    ok = self._build(key, strict)
-        if not ok:
+                if (key, threads) not in self.ready and self.ok.get(key) is not False:
+                    self._build(key, strict, threads)
+        if not self.ok.get(key):
             if strict:
                 raise RuntimeError(
                     f"cpu_adam: compiled kernel unavailable ({self.errors.get(key)})"
                 )
             return None
-        fkey = (key[0], key[2] is not None, threads)
-        fn = self.fns.get(fkey)
-        if fn is None:      # the same kernel with a fixed thread count: compiled and checked once
-            with self.lock:
-                fn = self.fns.get(fkey)
-                if fn is None:
-                    try:
-                        fn = _compile(*fkey)
-                        _timed_probe(fn, key, threads, check_speed=False)
-                    except Exception as e:
-                        warnings.warn(f"cpu_adam: the {threads}-thread kernel failed ({e!r:.300}); "
-                                      f"using the default one", RuntimeWarning, stacklevel=3)
-                        fn = self.fns[(key[0], key[2] is not None, None)]
-                    self.fns[fkey] = fn
-        return fn
+        return self.fns[(key[0], key[2] is not None, threads)]
 
-    def _build(self, key: tuple, strict: bool) -> bool:
+    def _build(self, key: tuple, strict: bool, threads: int | None) -> None:
         adamw, gdt, lpdt = key
+        first = key not in self.ok
         try:
             if not hasattr(torch, "compile"):
                 raise RuntimeError("torch.compile is not available")
             if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0"):
                 raise RuntimeError("TORCHDYNAMO_DISABLE is set")
-            fkey = (adamw, lpdt is not None, None)
+            missing = compiler_missing()
+            if missing:
+                raise _NoCompiler(missing)
+            fkey = (adamw, lpdt is not None, threads)
             if fkey not in self.fns:
                 self.fns[fkey] = _compile(*fkey)
-            self.speed[key] = _timed_probe(self.fns[fkey], key, None, check_speed=not strict)
+            speed = _timed_probe(self.fns[fkey], key, threads, check_speed=first and not strict)
+            if first:
+                self.speed[key] = speed
             self.ok[key] = True
+            self.ready.add((key, threads))
         except Exception as e:  # compiler missing, inductor error, wrong result, ...
             msg = f"{type(e).__name__}: {e}".strip()
             self.ok[key] = False
             self.errors[key] = msg[:2000]
             if strict:
                 raise RuntimeError(f"cpu_adam: compiled kernel unavailable ({msg[:500]})") from e
+            if isinstance(e, _NoCompiler):
+                if self.compiler_error is None:     # once per process, not once per variant
+                    self.compiler_error = str(e)
+                    log.warning("[zeroplug] cpu_adam: %s: using the eager kernel (ATen's fused Adam; the "
+                                "same update, slower when gradients are converted)", e)
+                    warnings.warn(f"cpu_adam: {e}: using the eager kernel", RuntimeWarning, stacklevel=4)
+                return
             warnings.warn(
                 f"cpu_adam: torch.compile kernel unavailable for {_key_str(key)}, "
                 f"using the eager path ({msg[:300]})",
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return self.ok[key]
+
+
+class _NoCompiler(RuntimeError):
+    pass
+
+
+def compiler_missing() -> str | None:
+    """Why inductor cannot build a C++ kernel here (no compiler found), or None."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:         # another torch layout: let the compile itself tell
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as e:
+        from torch._inductor import config
+        cxx = [c for c in getattr(config.cpp, "cxx", ()) if c] or ["g++"]
+        return f"no C++ compiler found (looked for {', '.join(cxx)}: {type(e).__name__}); install g++ or set CXX"
+    return None
 
 
 def _timed_probe(fn: Callable, key: tuple, threads: int | None, check_speed: bool) -> dict:

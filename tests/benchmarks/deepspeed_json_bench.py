@@ -1,0 +1,131 @@
+"""DeepSpeed's own JSON configs, as they are, on the reference workload (shared/WORKLOAD.md).
+
+  python tests/benchmarks/deepspeed_json_bench.py                       # H100: the J table rows
+  python tests/benchmarks/deepspeed_json_bench.py --rows s2_offload --steps 5
+  torchrun --nproc-per-node 2 tests/benchmarks/deepspeed_json_bench.py  # 2 GPUs: per-GPU rows
+
+Each row builds the 1.3B GPT, passes the JSON in tests/benchmarks/deepspeed_configs/ to
+``zeroplug.initialize`` untouched (no overrides: what a user launching DeepSpeed's config
+gets, torchrun's OMP_NUM_THREADS=1 included) and prints tokens/s per GPU (median step after
+two warm-up steps), peak GPU memory, the time from ``initialize`` to the end of step 1, and
+the first step against the steady one, beside DeepSpeed 0.19.8's figures on the same
+machines (quoted, not measured here). Rows run one after the other in this process, so
+only the first pays a cold kernel build; run the script twice to see a machine whose
+kernel cache is warm (the second run is what every later run on the machine gets).
+Raw results go to $OUT/deepspeed_json_bench.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import zeroplug
+from zeroplug.memory import GB
+from zeroplug.workload.models import GPT, get_preset
+
+CONFIGS = Path(__file__).parent / "deepspeed_configs"
+ROWS = {  # name: (JSON, what, DeepSpeed 0.19.8 on one H100, on 2 x H200 per GPU)
+    "s3_offload": ("zero3_offload.json", "stage 3 + CPU offload (params + optimizer)",
+                   "7.7k tokens/s", "3.2k tokens/s/GPU"),
+    "s2_offload": ("zero2_offload.json", "stage 2 + CPU optimizer offload", "9.8k tokens/s, 8.3 GiB", "-"),
+    "s3": ("zero3.json", "stage 3", "-", "-"),
+}
+DS_INIT = "DeepSpeed: initialize 34-71 s (its CPU Adam built once per machine)"
+
+
+def run_row(name: str, args, rank: int, world: int) -> dict:
+    path = CONFIGS / ROWS[name][0]
+    ds = json.loads(path.read_text())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mcfg = get_preset(args.model, activation_checkpointing=True)
+    torch.manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
+    t_init = time.perf_counter()
+    if ds["zero_optimization"]["stage"] == 3:
+        with zeroplug.init(str(path)):
+            model = GPT(mcfg)
+    else:
+        model = GPT(mcfg)
+    engine = zeroplug.initialize(model, str(path))
+    init_s = time.perf_counter() - t_init
+    micro = ds["train_micro_batch_size_per_gpu"]
+    g = torch.Generator(device=dev).manual_seed(rank)
+    times = []
+    for _ in range(args.steps):
+        x = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
+        y = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    steady = statistics.median(times[2:]) if len(times) > 2 else times[-1]
+    total_after_warmup = sum(times[2:]) if len(times) > 2 else times[-1]
+    res = {"row": name, "config": path.name, "world": world, "model": args.model, "steps": args.steps,
+           "optimizer": type(engine.optimizer).__name__, "torch_threads": torch.get_num_threads(),
+           "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+           "init_s": init_s, "first_step_s": times[0], "init_to_step1_s": init_s + times[0],
+           "steady_step_s": steady, "first_over_steady": times[0] / steady,
+           "tokens_per_s_per_gpu": micro * args.seq / steady,
+           "tokens_per_s_per_gpu_total": micro * args.seq * max(1, len(times) - 2) / total_after_warmup,
+           "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "times": times,
+           "loss_last": float(loss.detach().float())}
+    engine.close()
+    del engine, model, loss
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="*", choices=sorted(ROWS), default=None,
+                   help="default: s3_offload s2_offload on one GPU; s3 s3_offload s2_offload under torchrun")
+    p.add_argument("--steps", type=int, default=8, help="steps per row (two warm-up steps + timed ones)")
+    p.add_argument("--model", default="1.3B")
+    p.add_argument("--seq", type=int, default=1024)
+    args = p.parse_args()
+    world = 1
+    if "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
+        world = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    rows = args.rows or (["s3", "s3_offload", "s2_offload"] if world > 1 else ["s3_offload", "s2_offload"])
+    results = []
+    for name in rows:
+        r = run_row(name, args, rank, world)
+        results.append(r)
+        if rank == 0:
+            print("RESULT " + json.dumps({k: v for k, v in r.items() if k != "times"}), flush=True)
+    if rank != 0:
+        return
+    gpu = torch.cuda.get_device_name()
+    print(f"\n{args.model}, {world} x {gpu}, DeepSpeed JSON as-is, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', '(unset)')}; {DS_INIT}")
+    print("| run | optimizer | threads | tokens/s per GPU | peak GPU GiB | initialize -> end of step 1 s | "
+          "first / steady step s | DeepSpeed 0.19.8 |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for r in results:
+        ds = ROWS[r["row"]][2 if world == 1 else 3]
+        print(f"| {ROWS[r['row']][1]} | {r['optimizer']} | {r['torch_threads']} | "
+              f"{r['tokens_per_s_per_gpu']:,.0f} | {r['peak_gpu_gib']:.1f} | {r['init_to_step1_s']:.1f} | "
+              f"{r['first_step_s']:.2f} / {r['steady_step_s']:.2f} ({r['first_over_steady']:.1f}x) | {ds} |")
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "deepspeed_json_bench.json"), "w") as f:
+            json.dump({"gpu": gpu, "world": world, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""cpu_adam's kernel is built once per machine: the on-disk cache, the build lock, the
+warm-up before the first step, and the fallbacks (no compiler, unwritable cache)."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zeroplug.plugins.optim import cpu_adam_kernels as ck
+from zeroplug.plugins.optim.cpu_adam import CPUAdam
+from zeroplug.plugins.optim.cpu_adam_warmup import cache_root, use_cache_dir
+
+N = (1 << 17) + 7
+
+# One process: warm up a variant in the background, then step with it. Prints what the
+# warm-up found in inductor's cache and whether the step compiled anything.
+SCRIPT = r"""
+import json, sys, time
+import torch
+from torch._dynamo.utils import counters
+from zeroplug.plugins.optim.cpu_adam import CPUAdam
+from zeroplug.plugins.optim.cpu_adam_warmup import WarmUp
+n = (1 << 17) + 7
+p = torch.zeros(n)
+opt = CPUAdam([p], lr=1e-3, threads=1)
+keys = opt.kernel_variants([torch.bfloat16], torch.bfloat16)
+w = WarmUp(opt, keys, (1,), announce=False).start()
+w.wait()
+compiled = sum(counters["inductor"].values())
+lp = torch.empty(n, dtype=torch.bfloat16)
+opt.step_param(p, torch.ones(n, dtype=torch.bfloat16), lp_out=lp, grad_scale=0.5)
+print(json.dumps({**{k: v for k, v in w.stats.items() if k != "result"}, "error": w.error,
+                  "result": list(w.stats.get("result", {}).values()),
+                  "step_compiled": sum(counters["inductor"].values()) - compiled,
+                  "lp_ok": bool(torch.equal(lp, p.to(torch.bfloat16)))}))
+"""
+
+
+def test_second_process_loads_the_kernel(tmp_path):
+    """Two processes start at once (two local ranks): one builds under the lock while the
+    other waits, then loads the kernel from the cache instead of compiling it."""
+    if ck.compiler_missing():
+        pytest.skip("no C++ compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["ZEROPLUG_CACHE_DIR"] = str(tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for r in outs:
+        assert r["error"] is None and r["result"] == ["compile"] and r["lp_ok"]
+        assert r["cache_dir"].startswith(str(tmp_path)) and os.path.isdir(r["cache_dir"])
+        assert r["step_compiled"] == 0          # the step found the kernel ready
+    builder, loader = sorted(outs, key=lambda r: r["waited_seconds"])
+    assert builder["cache_misses"] >= 1
+    assert loader["cache_misses"] == 0 and loader["cache_hits"] >= 1
+    assert loader["build_seconds"] < builder["build_seconds"]
+    assert loader["waited_seconds"] > 0.1     # it waited for the builder's lock
+
+
+def test_unwritable_cache_dir_falls_back(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = {"ZEROPLUG_CACHE_DIR": str(blocker / "cache")}
+    path, warning = use_cache_dir(env)
+    assert "cannot be written" in warning and "ZEROPLUG_CACHE_DIR" in warning
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == path and os.path.isdir(path) and os.access(path, os.W_OK)
+    os.rmdir(path)
+
+
+def test_cache_dir_names_torch_and_cpu(tmp_path):
+    env = {"ZEROPLUG_CACHE_DIR": str(tmp_path)}
+    root = cache_root(env)
+    assert root.startswith(str(tmp_path)) and f"torch-{torch.__version__}" in root
+    path, warning = use_cache_dir(env)
+    assert warning is None and path == os.path.join(root, "inductor") == env["TORCHINDUCTOR_CACHE_DIR"]
+    given = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine"), "ZEROPLUG_CACHE_DIR": str(tmp_path)}
+    assert use_cache_dir(given) == (str(tmp_path / "mine"), None)       # the user's choice is kept
+
+
+def test_missing_compiler_said_once_and_eager(monkeypatch, caplog):
+    """No C++ compiler: one warning for the run, every variant steps eagerly (right values)."""
+    from torch._inductor import config
+    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(config.cpp, "cxx", ("/nonexistent/zeroplug-test-g++",))
+    assert "no C++ compiler" in ck.compiler_missing()
+    a = torch.nn.Parameter(torch.randn(N))
+    b = torch.nn.Parameter(a.detach().clone())
+    ref = torch.optim.AdamW([a], lr=1e-2, weight_decay=0.0)
+    opt = CPUAdam([b], lr=1e-2, threads=1)
+    caplog.set_level(logging.WARNING, "zeroplug")
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        res = opt.warm_up(opt.kernel_variants([torch.bfloat16, torch.float16], torch.bfloat16))
+    assert set(res.values()) == {"eager"} and len(res) == 2
+    assert sum("no C++ compiler" in r.message for r in caplog.records) == 1
+    g = torch.randn(N).to(torch.bfloat16)
+    a.grad = g.float()
+    lp = torch.empty(N, dtype=torch.bfloat16)
+    opt.step_param(b, g, lp_out=lp)
+    ref.step()
+    torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(lp, b.detach().to(torch.bfloat16))
+    assert sum("no C++ compiler" in r.message for r in caplog.records) == 1
+
+
+def test_step_waits_for_the_warm_up(monkeypatch):
+    """A step never builds the kernel beside the warm-up: it waits for it to finish."""
+    import threading
+    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    gate = threading.Event()
+    ck._COMPILED.warming = gate
+    p = torch.zeros(N)
+    opt = CPUAdam([p], lr=1e-3, impl="eager")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (ck._COMPILED.get((True, torch.bfloat16, torch.bfloat16), False, 1),
+                                         done.set()), daemon=True)
+    monkeypatch.setattr(ck._COMPILED, "_build", lambda key, strict, threads: ck._COMPILED.ok.__setitem__(key, False))
+    t.start()
+    assert not done.wait(0.3)           # blocked on the warm-up
+    gate.set()
+    assert done.wait(10)
+    assert opt.kernel_variants([torch.bfloat16], torch.bfloat16) == []     # eager: nothing to build
