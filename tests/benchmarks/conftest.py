@@ -35,11 +35,17 @@ _ALL_THREADS = os.cpu_count() or 1
 
 
 @pytest.fixture(autouse=True)
-def _benchmark_threads(request):
-    """All CPU threads while a benchmark is timed (restored after)."""
+def _benchmark_threads(request, monkeypatch):
+    """All CPU threads while a benchmark is timed (restored after); cpu_adam too (the unit
+    tests' conftest pins it to one thread through ZEROPLUG_CPU_ADAM_THREADS)."""
     before = torch.get_num_threads()
     if _enabled(request.config):
-        torch.set_num_threads(int(os.environ.get("ZEROPLUG_BENCH_THREADS", 0)) or _ALL_THREADS)
+        threads = os.environ.get("ZEROPLUG_BENCH_THREADS")
+        torch.set_num_threads(int(threads or 0) or _ALL_THREADS)
+        if threads:
+            monkeypatch.setenv("ZEROPLUG_CPU_ADAM_THREADS", threads)
+        else:
+            monkeypatch.delenv("ZEROPLUG_CPU_ADAM_THREADS", raising=False)   # the rank's cores
     yield
     torch.set_num_threads(before)
 
