@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import zeroplug
-from zeroplug.memory import GB
+from zeroplug.observe.memory import GB
 from zeroplug.workload.models import GPT, get_preset
 
 CONFIGS = Path(__file__).parent / "deepspeed_configs"
