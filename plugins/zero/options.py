@@ -13,8 +13,9 @@ STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "sta
 @dataclass(frozen=True)
 class ZeroOptions:
     reduce_bucket_size: int | Literal["auto"] = opt(
-        5e8, "Elements per gradient bucket reduced at a time during backward; \"auto\" = hidden_size^2.",
-        min=1)
+        AUTO, "Elements per gradient bucket reduced at a time during backward (stages 0-2: "
+              "parameters are laid out, reduced and their fp32 gradients allocated in buckets of "
+              "this size); \"auto\" = hidden_size^2.", min=1)
     allgather_bucket_size: int = opt(5e8, "Elements all-gathered at a time when publishing updated "
                                           "parameters (stages 1-2).", min=1)
     overlap_comm: bool = opt(True, "Launch each bucket's reduction as soon as it fills, overlapping "
