@@ -7,7 +7,8 @@ from typing import Literal
 from zeroplug.options import AUTO, opt
 
 STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-               "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save")
+               "stage3_param_persistence_threshold", "stage3_low_precision_shards",
+               "stage3_gather_16bit_weights_on_model_save")
 
 
 @dataclass(frozen=True)
@@ -37,5 +38,9 @@ class ZeroOptions:
     stage3_param_persistence_threshold: int | Literal["auto"] = opt(
         AUTO, "Stage 3: modules with fewer parameter elements stay whole on every rank; "
               "\"auto\" = 10 x hidden_size.", min=0)
+    stage3_low_precision_shards: bool = opt(
+        False, "Stage 3: keep a model-dtype copy of each parameter shard beside its fp32 master "
+               "(2 bytes per element / world; on one rank, the whole model kept gathered, no hooks), "
+               "gathered without a cast; false gathers the fp32 master, cast into the gather buffer.")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")

@@ -346,7 +346,8 @@ class FlatPartitioner(Partitioner):
             optimizer.step()
             if not self.alias:
                 for u in self.units:
-                    u.shard.copy_(u.master, non_blocking=True)
+                    if u.lp_source is None:     # (else gathered from the master on use)
+                        u.shard.copy_(u.master, non_blocking=True)
         self._gather_after_step()
 
     def _gather_after_step(self) -> None:
