@@ -11,7 +11,8 @@ lr 1e-4, clipping 1.0, activation checkpointing on every block, random tokens). 
 measures, in this process and one after another: plain PyTorch (one rank only), FSDP2
 (``fully_shard`` per block; no reshard after forward: the peer of stage 2; reshard: of
 stage 3), zeroplug stage 2 and 3, and the variants whose extra memory an option turns on
-(``stage3_low_precision_shards``, a fixed 5e8-element ``reduce_bucket_size``). tokens/s from
+(``stage3_low_precision_shards``, a fixed 5e8-element ``reduce_bucket_size``) or off
+(``stage3_max_reuse_distance = 0``: nothing kept gathered from forward to backward). tokens/s from
 the median step after ``--warmup`` steps; peak = ``torch.cuda.max_memory_allocated()`` since
 the model was built (the maximum over the ranks); for zeroplug rows, the memory report
 between steps (``engine.memory_report()``).
@@ -50,6 +51,8 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     "zeroplug stage2, reduce_bucket_size 5e8": {"plugin": "stage2", "reduce_bucket_size": int(5e8)},
     "zeroplug stage3": {"plugin": "stage3"},
     "zeroplug stage3, stage3_low_precision_shards": {"plugin": "stage3", "stage3_low_precision_shards": True},
+    # the forward's tail kept gathered for the backward (DeepSpeed's default 1e9) or not at all
+    "zeroplug stage3, stage3_max_reuse_distance 0": {"plugin": "stage3", "stage3_max_reuse_distance": 0},
 }
 SEARCH = {
     "stage3": {"zero": {"plugin": "stage3"}},
