@@ -72,3 +72,35 @@ def test_the_line_is_printed_once_after_the_first_step(capsys):
         engine.step()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "memory after the first step" in ln]
     assert len(lines) == 1 and "16.0 bytes per trainable parameter" in lines[0]
+
+
+def _lp_shards(rank, world, keep):
+    import zeroplug
+    torch.manual_seed(0)
+    cfg = {"zero": {"plugin": "stage3", "stage3_param_persistence_threshold": 0,
+                    "stage3_low_precision_shards": keep},
+           "precision": {"plugin": "bf16"}, "optimizer": {"plugin": "adamw", "lr": 1e-2},
+           "batch": {"micro_batch_size": 2, "steps_per_print": 10_000, "gradient_accumulation_steps": 2},
+           "monitor": {"plugin": "none"}}
+    engine = zeroplug.initialize(Wide(WIDTH, LAYERS), cfg)
+    losses = []
+    for i in range(6):
+        x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(10 * i + rank)).to(torch.bfloat16)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine.memory_report()["device"]["lp_params"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage3_gathers_from_the_master_as_from_a_bf16_shard(world):
+    """Gathering the fp32 master cast to bf16 gives the bits a bf16 shard would hold: the same
+    losses, over accumulation windows, with 2 P / W bytes fewer."""
+    P = LAYERS * (WIDTH * WIDTH + WIDTH)
+    cast = run_ranks(_lp_shards, world, False)
+    kept = run_ranks(_lp_shards, world, True)
+    for (lc, lp_cast), (lk, lp_kept) in zip(cast, kept):
+        assert lc == lk
+        assert lp_cast == 0
+        assert 2 * P / world <= lp_kept <= 2 * P / world + LAYERS * (world - 1) * 2
