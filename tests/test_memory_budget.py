@@ -10,9 +10,10 @@ P trainable parameters, W ranks, bf16 model, fp32 masters, Adam: the floor is 16
 - Stage 2: at most 16 P / W plus the buckets and the unsharded bf16 parameters (2 P).
 
 Both also allow the CPU optimizer's and norm's per-tensor temporaries (two units' fp32
-bytes; observed 1.5 to 2 on one rank) and a few KB of activations. Observed on two ranks
-(gloo, which copies through temporaries of its own): stage 3 5 to 5.5 fp32 units above
-16 P / W, stage 2 4.
+bytes; observed 1.5 to 2 on one rank) and a few KB of activations. On two ranks gloo copies
+through temporaries of its own (NCCL does not), and how many of them overlap depends on its
+timing: observed 5 to 6.75 fp32 units above 16 P / W at stage 3, 4 at stage 2; the budget
+allows two units of gloo's on top of the three buckets.
 
 Between steps no fp32 gradient exists (12 P / W, plus 2 P at stage 2): each unit's is
 allocated as its reduction lands and freed after the step.
@@ -57,7 +58,7 @@ def _measure(rank, world, stage):
 def test_step_peak_within_the_floor(world, stage):
     floor = 16 * P / world
     window = 2 * 2 * UNIT if stage == 3 else 0              # the unit in use and the next, bf16
-    buckets = 0 if world == 1 else 3 * 4 * UNIT             # three fp32 buckets in flight
+    buckets = 0 if world == 1 else (3 + 2) * 4 * UNIT       # three fp32 buckets in flight + gloo's
     temporaries = 2 * 4 * UNIT
     lp = 2 * P if stage == 2 else 0
     for rest, peak, units in run_ranks(_measure, world, stage):
