@@ -50,6 +50,10 @@ class Stage3(Stage2):
         self.lp_from_master = (not o.stage3_low_precision_shards and not self.params_offloaded
                                and not offload_optimizer.capabilities.offloaded
                                and precision.param_dtype != torch.float32)
+        # Note: one rank gathering from its masters: a gather is a cast on the compute stream,
+        # with no collective or upload to overlap or to save, so nothing is prefetched or kept
+        # gathered for reuse (the backward's casts cost less than holding the forward's tail)
+        self.cast_only = self.run.world_size == 1 and self.lp_from_master
         flush_pending()
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
@@ -206,6 +210,8 @@ class Stage3(Stage2):
 
     def _prefetch(self, order: list[int], start: int) -> None:
         """Start gathers for the units after position ``start`` of ``order``."""
+        if self.cast_only:
+            return
         budget, live = self.prefetch_size, self._live_numel()
         first = True
         for idx in order[start + 1:]:
@@ -293,6 +299,8 @@ class Stage3(Stage2):
         after 2 x the elements that follow it, so it stays gathered instead of being
         freed and uploaded again (with offloaded parameters: an H2D on the backward's
         critical path)."""
+        if self.cast_only:
+            return False
         prev, pos = self.trace_prev, len(self.trace_cur)
         dist = 0
         for idx in prev[pos:]:
