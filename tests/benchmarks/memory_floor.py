@@ -12,7 +12,7 @@ measures, in this process and one after another: plain PyTorch (one rank only), 
 (``fully_shard`` per block; no reshard after forward: the peer of stage 2; reshard: of
 stage 3), zeroplug stage 2 and 3, and the variants whose extra memory an option turns on
 (``stage3_low_precision_shards``, a fixed 5e8-element ``reduce_bucket_size``) or off
-(``stage3_max_reuse_distance = 0``: nothing kept gathered from forward to backward). tokens/s from
+(``stage3_max_reuse_distance = 0``, several ranks: nothing kept gathered from forward to backward). tokens/s from
 the median step after ``--warmup`` steps; peak = ``torch.cuda.max_memory_allocated()`` since
 the model was built (the maximum over the ranks); for zeroplug rows, the memory report
 between steps (``engine.memory_report()``).
@@ -52,6 +52,7 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     "zeroplug stage3": {"plugin": "stage3"},
     "zeroplug stage3, stage3_low_precision_shards": {"plugin": "stage3", "stage3_low_precision_shards": True},
     # the forward's tail kept gathered for the backward (DeepSpeed's default 1e9) or not at all
+    # (several ranks only)
     "zeroplug stage3, stage3_max_reuse_distance 0": {"plugin": "stage3", "stage3_max_reuse_distance": 0},
 }
 SEARCH = {
@@ -156,6 +157,8 @@ def run_table(args, device) -> list[dict]:
     for label, spec in TABLE.items():
         if label == "torch" and size > 1:
             continue        # plain PyTorch is one rank's baseline (no data parallelism)
+        if "max_reuse_distance" in label and size == 1:
+            continue        # one rank keeps nothing for reuse anyway (a gather is a cast)
         config = spec if isinstance(spec, str) else zeroplug_config({"zero": spec})
         r = measure(args.model, config, device, args.steps, args.warmup)
         r["label"] = label
