@@ -59,7 +59,8 @@ def cmd_estimate(args, overrides) -> int:
     if act is not None:
         print(f"activations: {act.total / GB:.3f} GiB per rank for micro batch {args.micro_batch} x sequence "
               f"{args.seq} ({act.how}); in the device column")
-    print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}")
+    print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}   device by category (GiB; "
+          "engine.memory_report()'s names, gradients as at the step)")
     for stage in (0, 1, 2, 3):
         for off_opt, off_par in ((False, False), (True, False), (True, True)):
             if off_par and stage < 3 or off_opt and stage == 0:
@@ -67,7 +68,8 @@ def cmd_estimate(args, overrides) -> int:
             e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
                                       act.total if act else 0.0)
             label = "param+optim" if off_par else "optim" if off_opt else "none"
-            print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}")
+            cats = " | ".join(f"{k} {v / GB:.2f}" for k, v in e["device_categories"].items() if v)
+            print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}   {cats or '-'}")
     return 0
 
 

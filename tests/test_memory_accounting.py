@@ -10,17 +10,19 @@ Expected bytes per rank for Psi parameters on N ranks, model dtype of ``b`` byte
 =========  ===========  ===========  ============  ===========  ===============
 stage      lp params    lp grads     hp params     hp grads     Adam m + v
 =========  ===========  ===========  ============  ===========  ===============
-0          b Psi        b Psi        4 Psi         4 Psi        8 Psi
-1          b Psi        b Psi        4 Psi / N     4 Psi / N    8 Psi / N
-2          b Psi        0 (*)        4 Psi / N     4 Psi / N    8 Psi / N
-3          b Psi / N    0 (*)        4 Psi / N     4 Psi / N    8 Psi / N
+0          b Psi        b Psi        4 Psi         0 (**)       8 Psi
+1          b Psi        b Psi        4 Psi / N     0 (**)       8 Psi / N
+2          b Psi        0 (*)        4 Psi / N     0 (**)       8 Psi / N
+3          0 (***)      0 (*)        4 Psi / N     0 (**)       8 Psi / N
 =========  ===========  ===========  ============  ===========  ===============
 
 (*) stages 2-3 reduce-scatter each bucket of model-dtype gradients as soon as it is
-full and drop it, so between steps only the fp32 gradient shard exists.
-With fp32 models the masters *are* the (shards of the) parameters and, for stages
-0-1, the master gradients are views of the flat gradient buffer: hp params and (0-1)
-hp grads are then 0 bytes of their own.
+full and drop it. (**) the fp32 gradient shard exists from its reduction until the
+step, and is freed after it. (***) a gather casts the fp32 master shard: no model-dtype
+shard is kept beside it.
+With fp32 models the masters *are* the (shards of the) parameters (stage 3: b Psi / N
+lp params) and, for stages 0-1, the master gradients are views of the flat gradient
+buffer: hp params and (0-1) hp grads are then 0 bytes of their own.
 
 "Up to padding": every flat unit is padded to a multiple of N, so a shard holds
 ceil(Psi_u / N) elements of unit u: at most one element per unit above Psi / N.
@@ -110,10 +112,10 @@ def expected(stage, precision, psi, units, n):
         return (size * psi, 0) if stage == 0 else (size * psi / n, size * units)
 
     none = (0, 0)
-    return {"lp_params": shard(b) if stage == 3 else whole(b),
+    return {"lp_params": (shard(b) if alias else none) if stage == 3 else whole(b),
             "lp_grads": whole(b) if stage <= 1 else none,
             "hp_params": none if alias else shard(4),
-            "hp_grads": none if alias and stage <= 1 else shard(4),
+            "hp_grads": none,
             "optim": shard(8)}
 
 

@@ -6,14 +6,17 @@ P parameters, W ranks; every unit is padded to a multiple of W elements (at most
 =========  ==========  ===========  ====================  =========
 stage      lp params   master       gradients             optimizer
 =========  ==========  ===========  ====================  =========
-0          2P          4P           2P (flat) + 4P        8P
-1          2P          4P / W       2P (flat) + 4P / W    8P / W
-2          2P          4P / W       4P / W                8P / W
-3          2P / W      4P / W       4P / W                8P / W
+0          2P          4P           2P (flat)             8P
+1          2P          4P / W       2P (flat)             8P / W
+2          2P          4P / W       0                     8P / W
+3          0           4P / W       0                     8P / W
 =========  ==========  ===========  ====================  =========
 
-Stage 3 on one rank keeps every unit whole (2P): nothing to gather from. Buckets and the
-prefetch window are empty between steps.
+The fp32 gradients exist from each unit's reduction until the step, and are freed after
+it; stage 3 gathers from the fp32 master (no bf16 shard, also on one rank). Buckets and the
+prefetch window are empty between steps. So between steps stage 3 holds 12 P / W, stage 2
+that plus 2 P: under the floor of 16 P / W (+ 2 P) that test_memory_budget.py checks at
+the step's peak.
 """
 from __future__ import annotations
 
@@ -45,9 +48,9 @@ def test_persistent_bytes_per_category(stage, world):
     W = world
     shard = lambda b: b * P / W                                          # noqa: E731
     want = {
-        "lp_params": 2 * P if stage < 3 or W == 1 else shard(2),
+        "lp_params": 2 * P if stage < 3 else 0,
         "master": 4 * P if stage == 0 else shard(4),
-        "gradients": {0: 6 * P, 1: 2 * P + shard(4)}.get(stage, shard(4)),
+        "gradients": 2 * P if stage < 2 else 0,
         "optimizer": 8 * P if stage == 0 else shard(8),
         "buckets": 0, "prefetch": 0,
     }
@@ -68,4 +71,36 @@ def test_the_line_is_printed_once_after_the_first_step(capsys):
         engine.backward(engine(x))
         engine.step()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "memory after the first step" in ln]
-    assert len(lines) == 1 and "20.0 bytes per trainable parameter" in lines[0]
+    assert len(lines) == 1 and "16.0 bytes per trainable parameter" in lines[0]
+
+
+def _lp_shards(rank, world, keep):
+    import zeroplug
+    torch.manual_seed(0)
+    cfg = {"zero": {"plugin": "stage3", "stage3_param_persistence_threshold": 0,
+                    "stage3_low_precision_shards": keep},
+           "precision": {"plugin": "bf16"}, "optimizer": {"plugin": "adamw", "lr": 1e-2},
+           "batch": {"micro_batch_size": 2, "steps_per_print": 10_000, "gradient_accumulation_steps": 2},
+           "monitor": {"plugin": "none"}}
+    engine = zeroplug.initialize(Wide(WIDTH, LAYERS), cfg)
+    losses = []
+    for i in range(6):
+        x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(10 * i + rank)).to(torch.bfloat16)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine.memory_report()["device"]["lp_params"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage3_gathers_from_the_master_as_from_a_bf16_shard(world):
+    """Gathering the fp32 master cast to bf16 gives the bits a bf16 shard would hold: the same
+    losses, over accumulation windows, with 2 P / W bytes fewer."""
+    P = LAYERS * (WIDTH * WIDTH + WIDTH)
+    cast = run_ranks(_lp_shards, world, False)
+    kept = run_ranks(_lp_shards, world, True)
+    for (lc, lp_cast), (lk, lp_kept) in zip(cast, kept):
+        assert lc == lk
+        assert lp_cast == 0
+        assert 2 * P / world <= lp_kept <= 2 * P / world + LAYERS * (world - 1) * 2

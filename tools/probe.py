@@ -13,10 +13,10 @@ excluded); the transient recompute of checkpointed blocks is not seen there. Lay
 are measured at one and two layers and extrapolated (the layers are alike); a model whose
 depth cannot be changed is measured whole.
 
-The model-state estimate follows the ZeRO accounting (bytes per parameter, seed 001's
-``estimate_zero{2,3}_model_states_mem_needs``): with Adam in mixed precision, 2 bytes of
-parameters + 2 of gradients (model dtype) + 12 of optimizer state (fp32 master, m, v) per
-parameter, divided across N ranks as the stage shards. Activations are not sharded by any
+The model-state estimate counts the bytes per parameter of zeroplug's layout in the
+categories of ``engine.memory_report()`` (see :func:`estimate_model_states`): with Adam in
+mixed precision, at stage 3 16 bytes per parameter / N (fp32 master, fp32 gradient, m, v),
+at stage 2 that plus 2 of model-dtype parameters. Activations are not sharded by any
 stage: each rank holds its own micro-batch's.
 """
 from __future__ import annotations
@@ -219,20 +219,40 @@ def estimate_inputs(model: str, micro_batch: int | None, seq: int, device: str,
     return spec.num_params(), measure_activations(spec, micro_batch, seq, dev, dtype)
 
 
+CATEGORIES = ("lp_params", "master", "gradients", "optimizer")   # engine.memory_report()'s names
+
+
 def estimate_model_states(num_params: int, stage: int, world_size: int,
                           param_bytes: int = 2, offload_optimizer: bool = False,
-                          offload_param: bool = False, activations: float = 0.0) -> dict[str, float]:
-    """Bytes per rank on the device and on the host for the model states, plus ``activations``
-    (bytes of one micro-batch's activations, on the device whatever the stage)."""
+                          offload_param: bool = False, activations: float = 0.0) -> dict:
+    """Bytes per rank at the optimizer step, by ``engine.memory_report()``'s categories, on the
+    device and on the host, as zeroplug lays the states out (Adam, fp32 masters):
+
+    * lp_params: the model-dtype parameters; stage 3 keeps none beside an fp32 master on the
+      device (a gather casts it), a model-dtype shard when the master is offloaded;
+    * master: fp32, sharded from stage 1 (none of its own for an fp32 model: the parameters);
+    * gradients: stages 0-1 a model-dtype flat buffer plus the fp32 shard, stages 2-3 the fp32
+      shard; the fp32 shard exists from backward to the step (with the master when offloaded);
+    * optimizer: Adam's two fp32 moments.
+
+    ``device`` adds ``activations`` (one micro-batch's; no stage shards them)."""
     n = max(1, world_size)
-    params = num_params * param_bytes / (n if stage >= 3 else 1)
-    grads = num_params * param_bytes / (n if stage >= 2 else 1)
-    optim = num_params * (12 if param_bytes != 4 else 8) / (n if stage >= 1 else 1)
-    if param_bytes == 4:     # fp32: master is the parameter itself, states are m and v
-        optim = num_params * 8 / (n if stage >= 1 else 1)
-    device = params * (not offload_param) + grads + optim * (not offload_optimizer) + activations
-    host = params * offload_param + optim * offload_optimizer
-    if offload_optimizer:   # the fp32 gradient shard lives next to the optimizer states
-        host += num_params * 4 / (n if stage >= 2 else 1)
-    return {"device": device, "host": host, "params": params, "grads": grads, "optim": optim,
-            "activations": activations}
+    sharded = lambda b, from_stage: num_params * b / (n if stage >= from_stage else 1)   # noqa: E731
+    fp32 = param_bytes == 4
+    if stage >= 3:
+        keep_lp = fp32 or offload_optimizer or offload_param
+        lp = sharded(param_bytes, 3) if keep_lp else 0.0
+    else:
+        lp = num_params * param_bytes
+    master = 0.0 if fp32 else sharded(4, 1)
+    flat = num_params * param_bytes if stage <= 1 else 0.0
+    grad32 = 0.0 if fp32 and stage <= 1 else sharded(4, 2) if stage >= 2 else sharded(4, 1)
+    optim = sharded(8, 1)
+    where = {"lp_params": offload_param, "master": offload_optimizer, "optimizer": offload_optimizer}
+    cats = {"lp_params": lp, "master": master, "gradients": flat + grad32, "optimizer": optim}
+    device = {k: v for k, v in cats.items() if not where.get(k)}
+    host = {k: v for k, v in cats.items() if where.get(k)}
+    if offload_optimizer:       # the fp32 gradient shard lives with the master
+        device["gradients"], host["gradients"] = flat, grad32
+    return {"device": sum(device.values()) + activations, "host": sum(host.values()),
+            "device_categories": device, "host_categories": host, "activations": activations}

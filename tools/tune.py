@@ -123,13 +123,15 @@ def estimate(c: Candidate, n_params: int, activations: float, machine: Machine) 
     e = estimate_model_states(n_params, c.stage, 1, param_bytes, c.optimizer != "none", c.param != "none",
                               activations)
     c.est_device, c.est_host, c.est_disk = e["device"], e["host"], 0.0
+    host = e["host_categories"]
     if c.optimizer == _NVME:       # the states go to disk; up to 3 sub-groups in flight stay in memory
         sub_group = SUB_GROUP if machine.device.type == "cuda" else 1_000_000_000
-        c.est_disk += e["optim"]
-        c.est_host += 3 * min(sub_group, n_params) * 16 - e["optim"]
+        optim = host.get("master", 0.0) + host.get("optimizer", 0.0)
+        c.est_disk += optim
+        c.est_host += 3 * min(sub_group, n_params) * 16 - optim
     if c.param == _NVME:
-        c.est_disk += e["params"]
-        c.est_host -= e["params"]
+        c.est_disk += host.get("lp_params", 0.0)
+        c.est_host -= host.get("lp_params", 0.0)
 
 
 def reject_reason(c: Candidate, machine: Machine) -> str | None:

@@ -62,6 +62,15 @@ PRESETS: dict[str, GPTConfig] = {
         "2.7B": (32, 2560, 32),
         "6.7B": (32, 4096, 32),
         "13B": (40, 5120, 40),
+        # intermediate widths (32 layers, heads of 128): what fits in one GPU's memory
+        "3.3B": (32, 2816, 22),
+        "3.9B": (32, 3072, 24),
+        "4.3B": (32, 3200, 25),
+        "4.6B": (32, 3328, 26),
+        "4.9B": (32, 3456, 27),
+        "5.3B": (32, 3584, 28),
+        "7.7B": (32, 4352, 34),
+        "8.6B": (32, 4608, 36),
     }.items()
 }
 # Byte-level default for `zeroplug train` on a laptop-class CPU: about 0.8 M parameters;

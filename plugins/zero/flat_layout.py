@@ -5,9 +5,6 @@ total to a multiple of ``world_size * align`` so that every rank owns one
 contiguous, equally sized shard ``[rank * shard_size, (rank + 1) * shard_size)``.
 Equal shards are what ``reduce_scatter_tensor`` and ``all_gather_into_tensor``
 need, and contiguity is what lets a shard be stepped, copied or swapped as one.
-
-Sub-groups split a rank's shard into pieces of at most ``sub_group_size``
-elements: the unit in which the optimizer steps and the offload tiers move data.
 """
 from __future__ import annotations
 
@@ -66,11 +63,3 @@ class FlatLayout:
             if a < b:
                 out.append((i, a - o, b - o))
         return out
-
-
-def sub_group_ranges(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
-    """Split ``[0, numel)`` into consecutive ranges of at most ``sub_group_size``."""
-    if numel == 0:
-        return []
-    size = max(1, min(sub_group_size, numel))
-    return [(a, min(a + size, numel)) for a in range(0, numel, size)]

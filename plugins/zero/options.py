@@ -7,14 +7,16 @@ from typing import Literal
 from zeroplug.options import AUTO, opt
 
 STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-               "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save")
+               "stage3_param_persistence_threshold", "stage3_low_precision_shards",
+               "stage3_gather_16bit_weights_on_model_save")
 
 
 @dataclass(frozen=True)
 class ZeroOptions:
     reduce_bucket_size: int | Literal["auto"] = opt(
-        5e8, "Elements per gradient bucket reduced at a time during backward; \"auto\" = hidden_size^2.",
-        min=1)
+        AUTO, "Elements per gradient bucket reduced at a time during backward (stages 0-2: "
+              "parameters are laid out, reduced and their fp32 gradients allocated in buckets of "
+              "this size); \"auto\" = hidden_size^2.", min=1)
     allgather_bucket_size: int = opt(5e8, "Elements all-gathered at a time when publishing updated "
                                           "parameters (stages 1-2).", min=1)
     overlap_comm: bool = opt(True, "Launch each bucket's reduction as soon as it fills, overlapping "
@@ -36,5 +38,10 @@ class ZeroOptions:
     stage3_param_persistence_threshold: int | Literal["auto"] = opt(
         AUTO, "Stage 3: modules with fewer parameter elements stay whole on every rank; "
               "\"auto\" = 10 x hidden_size.", min=0)
+    stage3_low_precision_shards: bool = opt(
+        False, "Stage 3: keep a model-dtype copy of each parameter shard beside its fp32 master "
+               "(2 bytes per element / world; on one rank, the whole model kept gathered, no hooks), "
+               "gathered without a cast; false gathers the fp32 master, cast into the gather buffer "
+               "(on one rank a cast on the compute stream: nothing prefetched or kept for reuse).")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")

@@ -183,6 +183,8 @@ class FlatPartitioner(Partitioner):
         i = u.position[p]
         if self._direct_grads:
             o, n = u.layout.offsets[i], u.layout.numels[i]
+            if u.master.grad is None:
+                u.master.grad = torch.zeros_like(u.master)
             u.master.grad[o - u.lo:o - u.lo + n].view(u.layout.shapes[i]).add_(p.grad)
             p.grad = None
         elif self.shard_grads:
@@ -267,10 +269,18 @@ class FlatPartitioner(Partitioner):
                 if out is not u.grad_flat:
                     u.grad_flat.copy_(out)
                 if not self.alias:
+                    if u.master.grad is None:
+                        u.master.grad = torch.empty_like(u.master)
                     u.master.grad.copy_(u.grad_flat[u.lo:u.hi])
             else:
                 part = out if out.numel() == u.hi - u.lo else out[u.lo:u.hi]
-                u.master.grad.add_(part.to(u.master.grad.device, non_blocking=True))
+                if u.master.grad is None:
+                    # the reduce-scatter's output becomes the master gradient when it is one
+                    # already (fp32, this rank's elements only); else a copy of this rank's part
+                    own = part is out and part.dtype == u.master.dtype and part.device == u.master.device
+                    u.master.grad = part if own else part.to(u.master.device, u.master.dtype, copy=True)
+                else:
+                    u.master.grad.add_(part.to(u.master.grad.device, non_blocking=True))
         del self._pending[:len(done)]
 
     def finish_gradients(self) -> None:
@@ -290,6 +300,10 @@ class FlatPartitioner(Partitioner):
         self._drain()
         if self.offload is not None:
             self.offload.wait_grads()
+        elif self.lazy_grads:
+            for u in self.units:      # no gradient in this window: a zero one, as if allocated
+                if u.master.grad is None:
+                    u.master.grad = torch.zeros_like(u.master)
 
     def grad_norm_sq(self) -> torch.Tensor:
         if self.offload is not None:
@@ -315,12 +329,9 @@ class FlatPartitioner(Partitioner):
             for p in u.trainable:
                 if self.shard_grads:
                     p.grad = None
-        if self.alias:
-            if self.shard_grads:
-                for u in self.units:
-                    u.master.grad.zero_()
-        elif self.offload is None:
-            self.master_grad_flat.zero_()
+        if self.lazy_grads:
+            for u in self.units:      # freed: allocated again as the next window's reductions land
+                u.master.grad = None
         # Note: offloaded master grads are overwritten by the next boundary's copies (and
         # zeroed for units that got none), which saves a pass over host memory per step.
         self.before_backward()
@@ -335,7 +346,8 @@ class FlatPartitioner(Partitioner):
             optimizer.step()
             if not self.alias:
                 for u in self.units:
-                    u.shard.copy_(u.master, non_blocking=True)
+                    if u.lp_source is None:     # (else gathered from the master on use)
+                        u.shard.copy_(u.master, non_blocking=True)
         self._gather_after_step()
 
     def _gather_after_step(self) -> None:
@@ -378,6 +390,7 @@ class FlatPartitioner(Partitioner):
             "master": [] if self.alias else list(self._master_list),
             "gradients": [u.grad_flat for u in self.units] + [u.master.grad for u in self.units]
             + [t.grad for t in self._master_list],      # (offloaded: the tier's gradient buffers)
+            # (on the device: none between steps; in backward, each unit's from its reduction on)
             "buckets": [u.bucket for u in self.units] + [out for _, _, out in self._pending],
             "prefetch": [u.full for u in self.all_units if not u.persistent and u.state != FREE],
         }
@@ -387,8 +400,9 @@ class FlatPartitioner(Partitioner):
         out = {"lp_params": [u.full for u in self.all_units] + [u.shard for u in self.all_units if u.sharded_params],
                "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
                "hp_params": [] if self.alias else list(self._master_list),
-               "hp_grads": ([u.master.grad for u in self.units] if self.alias and self.shard_grads
-                            else [] if self.alias else [t.grad for t in self._master_list])}
+               "hp_grads": [g for g in ([u.master.grad for u in self.units] if self.alias and self.shard_grads
+                                        else [] if self.alias else [t.grad for t in self._master_list])
+                            if g is not None]}
         return out
 
     def checkpoint_state(self, optimizer=None, parts=None) -> dict:

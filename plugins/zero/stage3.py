@@ -18,10 +18,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplug.errors import StateError
-from zeroplug.flat import free_storage
-from .flat_layout import FlatLayout
+from zeroplug.flat import alloc_storage, free_storage
 from zeroplug.tiers import Layout, UnitShard
 
+from .flat_layout import FlatLayout
 from .partitioned_init import PartitionedInit, flush_pending, materialize
 from .partitioner import Stage2, _check_materialized, hidden_size
 from .unit import FREE, INFLIGHT, READY, Unit
@@ -44,6 +44,17 @@ class Stage3(Stage2):
         self.prefetch_size = int(0.9 * h * h) if o.stage3_prefetch_bucket_size == "auto" \
             else o.stage3_prefetch_bucket_size
         self.params_offloaded = offload_param.capabilities.offloaded
+        # Note: with the masters on the training device, a model-dtype copy of each shard
+        # would only repeat the master in fewer bits (2 bytes per element / world; on one rank
+        # the whole model, 2 bytes per parameter, kept gathered). Without it, a gather casts
+        # the master into the gather buffer, as FSDP2 casts its fp32 shards.
+        self.lp_from_master = (not o.stage3_low_precision_shards and not self.params_offloaded
+                               and not offload_optimizer.capabilities.offloaded
+                               and precision.param_dtype != torch.float32)
+        # Note: one rank gathering from its masters: a gather is a cast on the compute stream,
+        # with no collective or upload to overlap or to save, so nothing is prefetched or kept
+        # gathered for reuse (the backward's casts cost less than holding the forward's tail)
+        self.cast_only = self.run.world_size == 1 and self.lp_from_master
         flush_pending()
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
@@ -59,7 +70,11 @@ class Stage3(Stage2):
             self.param_tier_units = frozenset(u.index for u in held)
             offload_param.plan(Layout(units=tuple(UnitShard(u.index, 0, u.shard) for u in held),
                                       sub_groups=(), param_dtype=self.pdtype, device=self.device))
-        if self.layout_world == 1 and not self.params_offloaded:
+        if self.lp_from_master:
+            for u in self.units:
+                u.lp_source = u.master
+                free_storage(u.shard)       # (refilled from the master for checkpoints)
+        if not self.gathers_per_unit():
             return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
         for m in module.modules():
             us = sorted({self.unit_of[p].index for p in m._parameters.values() if p in self.unit_of})
@@ -119,6 +134,8 @@ class Stage3(Stage2):
     def _make_unit(self, index, params) -> Unit:
         world, rank = self.layout_world, self.layout_rank
         group = getattr(params[0], "_zp_group", None)
+        # one rank keeps a unit whole (no gathers) unless it is gathered from its master
+        whole = world == 1 and not self.params_offloaded and not (self.lp_from_master and params[0].requires_grad)
         if group is not None:
             layout, shard = group.layout, group.shard
             if layout.world_size != world or shard.dtype != self.pdtype:
@@ -127,9 +144,12 @@ class Stage3(Stage2):
                     f"{shard.dtype}, but the engine runs {world} ranks in {self.pdtype}; pass the same "
                     "config to zeroplug.init and zeroplug.initialize")
             full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
-            if world == 1:      # the shard is the whole buffer: one tensor, as in the plain path,
+            if whole:           # the shard is the whole buffer: one tensor, as in the plain path,
                 full.copy_(shard)   # so optimizer updates of the shard reach the parameters
                 shard = full
+            elif world == 1:    # gathered from its master: the shard only seeds the master
+                full.copy_(shard)
+                shard = full.clone()
             else:
                 free_storage(full)
             group.release()
@@ -138,14 +158,13 @@ class Stage3(Stage2):
             full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
             layout.copy_in(full, [p.data.to(self.device, self.pdtype) for p in params])
             lo, hi = layout.shard_range(rank)
-            shard = full[lo:hi] if world == 1 else full[lo:hi].clone()
+            shard = full[lo:hi] if whole or (world == 1 and self.params_offloaded) else full[lo:hi].clone()
         if self.params_offloaded:     # the shard lives in the param tier (pinned host memory)
             host = self.offload_param.empty(shard.numel(), self.pdtype)
             host.copy_(shard)
             shard = host
-        unit = Unit(index, params, layout, full, rank, sharded_params=world > 1 or self.params_offloaded,
-                    shard=shard)
-        unit.persistent = (world == 1 and not self.params_offloaded) or layout.total <= self.persist_threshold
+        unit = Unit(index, params, layout, full, rank, sharded_params=not whole, shard=shard)
+        unit.persistent = whole or layout.total <= self.persist_threshold
         unit.bind_params()
         if not unit.persistent:
             unit.mark_free()
@@ -192,6 +211,8 @@ class Stage3(Stage2):
 
     def _prefetch(self, order: list[int], start: int) -> None:
         """Start gathers for the units after position ``start`` of ``order``."""
+        if self.cast_only:
+            return
         budget, live = self.prefetch_size, self._live_numel()
         first = True
         for idx in order[start + 1:]:
@@ -279,6 +300,8 @@ class Stage3(Stage2):
         after 2 x the elements that follow it, so it stays gathered instead of being
         freed and uploaded again (with offloaded parameters: an H2D on the backward's
         critical path)."""
+        if self.cast_only:
+            return False
         prev, pos = self.trace_prev, len(self.trace_cur)
         dist = 0
         for idx in prev[pos:]:
@@ -312,7 +335,7 @@ class Stage3(Stage2):
 
     # -- after the optimizer ------------------------------------------------------------
     def gathers_per_unit(self) -> bool:
-        return not (self.layout_world == 1 and not self.params_offloaded)
+        return not (self.layout_world == 1 and not self.params_offloaded and not self.lp_from_master)
 
     def wait_optimizer(self) -> None:
         super().wait_optimizer()
@@ -324,7 +347,7 @@ class Stage3(Stage2):
         if self.offload is not None and self.offload.pending:
             self._stale.update(u.index for u in self.units if u.persistent)   # refilled on use
             return
-        if self.layout_world > 1 or self.params_offloaded:
+        if self.gathers_per_unit():
             persistent = [u for u in self.units if u.persistent]
             handles = [u.fill_full(self.comm, self.upload) for u in persistent]
             for h in handles:
@@ -334,6 +357,14 @@ class Stage3(Stage2):
         """Parameter shards out of memory with a ``parts`` writer: read in one sub-group's units
         at a time, their pieces written into that sub-group's part file (see checkpointing.py).
         Without one: every shard in and the export copied."""
+        if self.lp_from_master:
+            with self._lp_shards():     # the pieces' model-dtype values: copies that outlive the shards
+                out = super().checkpoint_state(optimizer, parts=parts)
+                for pieces in out["pieces"].values():
+                    for pc in pieces:
+                        if "param" in pc:
+                            pc["param"] = pc["param"].clone()
+                return out
         from zeroplug.checkpoint import active_part_writer
         away = self.params_offloaded and not self.offload_param.capabilities.in_memory
         if away and parts is None:
@@ -344,7 +375,26 @@ class Stage3(Stage2):
         with self.offload_param.all_in():     # parameter shards read in
             return _copy_tensors(super().checkpoint_state(optimizer))
 
-    # load_checkpoint_state: import_state fills a shard out of memory one unit at a time
+    def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
+        """import_state fills a shard out of memory one unit at a time; model-dtype shards
+        that the masters replace exist for the load only."""
+        if not self.lp_from_master:
+            return super().load_checkpoint_state(states, optimizer, **flags)
+        with self._lp_shards():
+            return super().load_checkpoint_state(states, optimizer, **flags)
+
+    @contextmanager
+    def _lp_shards(self):
+        """The model-dtype shards of the units gathered from their masters, for the block."""
+        units = [u for u in self.units if u.lp_source is not None]
+        for u in units:
+            alloc_storage(u.shard)
+            u.shard.copy_(u.lp_source)
+        try:
+            yield
+        finally:
+            for u in units:
+                free_storage(u.shard)
 
     @contextmanager
     def gathered_params(self):

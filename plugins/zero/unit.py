@@ -7,7 +7,8 @@ parameters gathered before that module runs). Every unit owns:
 * ``full``  — the model-dtype flat buffer; each parameter's ``.data`` is a view of
   it. Stage 3 frees its storage between uses (views stay valid objects).
 * ``shard`` — this rank's slice of ``full`` (a view) or, when parameters are
-  sharded (stage 3), a separate tensor that persists.
+  sharded (stage 3), a separate tensor that persists; a stage-3 unit gathered from its
+  fp32 master (``lp_source``) holds none between checkpoints (its storage is freed).
 * ``master`` / ``master.grad`` — the fp32 slice of this rank's optimizer shard.
 """
 from __future__ import annotations
@@ -107,6 +108,8 @@ class Unit:
         self.sharded_params = sharded_params
         self.shard = shard if shard is not None else full[self.lo:self.hi]
         self.master: torch.Tensor | None = None
+        # stage 3 without model-dtype shards: the fp32 master, cast into the gathered buffer
+        self.lp_source: torch.Tensor | None = None
         self.grad_flat: torch.Tensor | None = None     # stages 0-1: persistent, params' .grad are views
         self.grad_views: list[torch.Tensor] = []       # ... each parameter's view of it
         self.group = 0                                 # the parameter group (param_groups.py)
@@ -145,7 +148,11 @@ class Unit:
 
     def fill_full(self, comm, upload=None):
         """Gather every rank's shard into ``full``; a shard offloaded to host memory is
-        uploaded first, on the ``upload`` stream when there is one."""
+        uploaded first, on the ``upload`` stream when there is one; a unit without a
+        model-dtype shard gathers its master, cast (one rank: cast straight into ``full``)."""
+        if self.lp_source is not None:
+            src = self.lp_source if comm.world_size == 1 else self.lp_source.to(self.full.dtype)
+            return comm.all_gather(self.full, src, async_op=True)
         src = self.shard
         if src.device != self.full.device:
             if upload is None:
