@@ -193,23 +193,39 @@ def reference_delayed(steps, global_batch, warmup, lr_at, lr=1e-2, clip=0.5, wei
 SCHED = {"plugin": "warmup_decay", "warmup_num_steps": 3, "total_num_steps": 12, "warmup_min_lr": 0.0}
 
 
-def _ref_cfg(stage, world, optimizer):
+def _ref_cfg(stage, world, optimizer, gas=1):
     cfg = _cfg(True, stage=stage, optimizer=optimizer)
-    cfg["batch"]["micro_batch_size"] = 8 // world
+    cfg["batch"].update(micro_batch_size=8 // world // gas, gradient_accumulation_steps=gas)
     cfg["scheduler"] = dict(SCHED)
     return cfg
 
 
 def _against_reference(rank, world, steps):
+    runs = [(stage, optimizer, 1) for stage in ("stage2", "stage3") for optimizer in ("adamw", "cpu_adam")]
+    if world == 1:
+        runs.append(("stage3", "cpu_adam", 2))      # accumulation: every unit published at the boundary
     out = {}
-    for stage in ("stage2", "stage3"):
-        for optimizer in ("adamw", "cpu_adam"):
-            losses, engine = engine_losses(ToyNet, steps, 8, _ref_cfg(stage, world, optimizer), rank, world)
-            lr_at = engine.scheduler.lr_at
-            n = engine.offload_optimizer.delayed.steps
-            state = engine.consolidated_state_dict()
-            engine.close()
-            out[(stage, optimizer)] = (losses, state, n, [lr_at(i) for i in range(steps)])
+    for stage, optimizer, gas in runs:
+        cfg = _ref_cfg(stage, world, optimizer, gas)
+        if gas == 1:
+            losses, engine = engine_losses(ToyNet, steps, 8, cfg, rank, world)
+        else:       # one rank: the batch in two micro-batches, the loss their mean
+            torch.manual_seed(0)
+            engine, losses = zeroplug.initialize(ToyNet(), cfg), []
+            for x, y in batches(steps, 8):
+                total = 0.0
+                for i in range(gas):
+                    loss = engine(x[i::gas].contiguous(), y[i::gas].contiguous())
+                    engine.backward(loss)
+                    engine.step()
+                    total += loss.item() / gas
+                losses.append(total)
+        lr_at = engine.scheduler.lr_at
+        delayed = engine.offload_optimizer.delayed
+        state = engine.consolidated_state_dict()
+        engine.close()
+        out[(stage, optimizer, gas)] = (losses, state, delayed.steps, delayed.early_units,
+                                        [lr_at(i) for i in range(steps)])
     return out
 
 
@@ -220,14 +236,16 @@ def test_follows_plain_torch_reference(world):
     schedule whose lr changes every step."""
     steps = 12
     got = run_ranks(_against_reference, world, steps)[0]
-    lrs = next(iter(got.values()))[3]
+    lrs = next(iter(got.values()))[4]
     ref_losses, ref_state = reference_delayed(steps, 8, WARMUP, lambda t: lrs[t])
     exact_losses, _ = reference_delayed(steps, 8, steps + 1, lambda t: lrs[t])
     # the reference's delayed run differs from its exact one: the comparison below can fail
     assert max(abs(a - b) for a, b in zip(ref_losses, exact_losses)) > 1e-3
-    for key, (losses, state, n, _) in got.items():
+    for key, (losses, state, n, early, _) in got.items():
         assert n == steps - WARMUP, key
-        # fp32; cpu_adam's kernel rounds differently from torch's AdamW in the last bits
+        # units are published by the worker during backward, except with accumulation
+        assert (early > 0) == (key[2] == 1), key
+        # fp32; cpu_adam's kernel and accumulation round differently from torch's AdamW in the last bits
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), key
         for name, ref in ref_state.items():
             assert torch.allclose(state[name], ref, rtol=1e-4, atol=1e-6), (key, name)

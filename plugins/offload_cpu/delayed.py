@@ -16,10 +16,16 @@ into the shards, which the forward of step t+2 reads::
 Note: the backward of step t+1 writes its gradients while the step of t still reads
 those of step t, so there are two host gradient buffers: backward writes the "landing"
 one, the masters' ``.grad`` point at the other while a step is in flight, and the boundary
-swaps them. The publish at the boundary is a copy of every element (host to host with the
-parameters offloaded, else an upload) on the critical path; publishing each sub-group
-just before the next forward gathers it would hide it, at the price of tracking when the
-backward last read each unit. Not done.
+swaps them.
+
+Note: publishing is a copy of every element (host to host with the parameters offloaded,
+else an upload). A unit's shard is free to take the new values as soon as the backward
+of step t+1 is done with it, which is when its reduced gradient reaches the tier
+(``grad_ready``; without gradient accumulation, the last read of that shard in the step).
+So ``grad_ready`` queues that unit's copy on the worker thread behind the update, and the
+copies run during the rest of the backward instead of between it and the next forward;
+the boundary copies only what the worker has not (units that got no gradient call, or
+all of them with gradient accumulation, when later micro-batches still read the shards).
 
 Note: ``wait_all`` is also what a checkpoint, ``gathered_params`` and ``close`` call, so
 they see the finished step published: masters, optimizer states and parameter shards
@@ -47,6 +53,11 @@ class DelayedUpdate:
         self.landing_buf = 0               # which one backward writes
         self.steps = 0                     # a statistic: delayed steps started
         self.supported = tier.layout.shards_in_memory and tier.kind == "optimizer"
+        # units whose shard the backward of this step no longer reads may be published early
+        self.early = tier.run.config.batch.gradient_accumulation_steps == 1
+        self.publishing: list = []         # the worker's copies of single units (futures)
+        self.published: set[int] = set()   # units published since the update in flight started
+        self.early_units = 0               # a statistic: units published before the boundary
 
     def landing(self, k: int) -> torch.Tensor:
         """Sub-group k's gradient buffer that backward writes now."""
@@ -112,21 +123,49 @@ class DelayedUpdate:
         self.steps += 1
         tier._future = tier._worker.submit(run)
 
+    def released(self, unit: int) -> None:
+        """The backward no longer reads ``unit``'s shard in this step (its reduced gradient
+        arrived): its new values may go in, on the worker, once the update is done."""
+        if not (self.live and self.early) or unit in self.published:
+            return
+        self.published.add(unit)
+        a, b = self.tier.grad_at[unit]
+        if b > a:
+            self.publishing.append(self.tier._worker.submit(self._publish, a, b))
+
+    def _publish(self, a: int, b: int) -> bool:
+        """Master elements [a, b) of ``lp_next`` into their shards; True if it queued an upload."""
+        tier, uploaded = self.tier, False
+        if tier.lane is not None and tier.cuda:
+            for k, (lo, hi) in enumerate(tier.ranges):
+                ev = tier.lane.events.get(k) if k in tier.lane_groups and lo < b and a < hi else None
+                if ev is not None:
+                    ev.synchronize()        # the lane's copy into lp_next is done
+        for u, x, y, s in tier.pieces(a, b):
+            src = self.lp_next[a + s:a + s + y - x]
+            if tier.cuda and u.shard.device.type != "cpu":
+                with torch.cuda.stream(tier.h2d):
+                    u.shard[x:y].copy_(src, non_blocking=True)
+                uploaded = True
+            else:
+                u.shard[x:y].copy_(src)
+        return uploaded
+
     def finish(self) -> None:
         """The step in flight is done (``wait_all``): its gradients' buffer is free for the next
-        backward, and its values go into the parameter shards."""
+        backward, and its values are in the parameter shards (those the worker has not
+        copied yet are copied now)."""
         tier = self.tier
         for m, g in zip(tier.masters, self.grads[self.landing_buf]):
             set_grad(m, g)          # the masters' .grad: the newest gradients (norm, accumulation)
         uploaded = False
-        for k, (a, b) in enumerate(tier.ranges):
-            src = self.lp_next[a:b]
-            if tier.cuda and tier.lp_on_device(a, b):
-                tier._upload(src, a, b, k)
-                uploaded = True
-            else:
-                for u, x, y, s in tier.pieces(a, b):
-                    u.shard[x:y].copy_(src[s:s + y - x])
+        for fut in self.publishing:
+            uploaded = fut.result() or uploaded
+        self.early_units += len(self.publishing)
+        for unit, (a, b) in tier.grad_at.items():
+            if unit not in self.published and b > a:
+                uploaded = self._publish(a, b) or uploaded
+        self.publishing, self.published = [], set()
         if uploaded:
             tier.h2d.synchronize()      # the next step writes lp_next again
             torch.cuda.current_stream(tier.train_device).wait_stream(tier.h2d)

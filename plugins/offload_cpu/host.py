@@ -148,6 +148,8 @@ class HostTier(OffloadTier):
         self._wait_host(k)                  # the previous step has read this gradient buffer
         if src is None:
             dst.zero_()
+            if live:
+                self.delayed.released(unit)
             return
         if self.lane is not None and self.cuda and not live:   # ... and the GPU lane's H2D of it is done
             self.lane.order_after(k, self.d2h)
@@ -156,14 +158,15 @@ class HostTier(OffloadTier):
                 dst.add_(src)
             else:
                 dst.copy_(src)
-            return
-        if accumulate:          # accumulation: rare path, synchronous
+        elif accumulate:          # accumulation: rare path, synchronous
             dst.add_(src.to("cpu", torch.float32))
-            return
-        self.d2h.wait_stream(torch.cuda.current_stream(self.train_device))
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-        src.record_stream(self.d2h)     # the allocator keeps src until the copy is done
+        else:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.train_device))
+            with torch.cuda.stream(self.d2h):
+                dst.copy_(src, non_blocking=True)
+            src.record_stream(self.d2h)     # the allocator keeps src until the copy is done
+        if live:
+            self.delayed.released(unit)     # the backward is done with this unit's shard
 
     def grads_landed(self) -> None:
         if self.cuda:
