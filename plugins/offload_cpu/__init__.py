@@ -56,6 +56,15 @@ class CPUOptions:
                                    "as false; docs/benchmarks.md has the step times).")
     overlap_step_threads: int = opt(0, "CPU threads of the overlapped step's kernel; 0 = all of torch's "
                                        "intra-op threads but one, which is left to the training loop.", min=0)
+    delayed_update: bool = opt(
+        False, "ZeRO-Offload's one-step delayed parameter update: after delayed_update_warmup exact steps, the "
+               "CPU step of step t runs during the forward and backward of step t+1, which therefore sees the "
+               "parameters of step t-1 (stale by one step; not bit-identical to the exact path). Costs one more "
+               "host gradient buffer and one host model-dtype copy per element. docs/architecture.md, "
+               "\"Delayed parameter update\", has what each forward sees and what a checkpoint holds.")
+    delayed_update_warmup: int = opt(40, "Exact optimizer steps (counted by the optimizer's own step count, "
+                                         "so a resumed run counts the steps before its checkpoint) before "
+                                         "delayed_update starts.", min=0)
     host_memory_limit_gb: float = opt(0.0, "Fail early if this tier would need more host memory than "
                                            "this many GiB; 0 = what the machine has available.", min=0.0)
 
@@ -106,6 +115,9 @@ class CPUOffload(HostTier):
         runs at the pace of its preempted thread at every barrier. One core is left to the
         loop (docs/benchmarks.md)."""
         return self.options.overlap_step_threads or max(1, torch.get_num_threads() - 1)
+
+    def delayed_warmup(self) -> int | None:
+        return self.options.delayed_update_warmup if self.options.delayed_update else None
 
     def gpu_step_ratio(self) -> float:
         r = self.options.gpu_step_ratio

@@ -102,10 +102,12 @@ class GPULane:
                 tier.pin(st[key])       # loaded from a checkpoint into a plain tensor
         return st
 
-    def enqueue(self, group: dict, state, k: int, master: torch.Tensor, a: int, mult: float) -> None:
+    def enqueue(self, group: dict, state, k: int, master: torch.Tensor, a: int, mult: float,
+                lp_host: torch.Tensor | None = None) -> None:
         """Start the step of sub-group k (master elements [a, a + numel); ``group``: its param
         group, ``state``: the optimizer's state). On a GPU this returns once the work is
-        queued; ``events[k]`` marks its end."""
+        queued; ``events[k]`` marks its end. ``lp_host``: a host buffer over all master
+        elements that takes the model-dtype values instead of the shards (delayed update)."""
         st = self._states(state, master)
         st["step"] += 1
         n = master.numel()
@@ -118,7 +120,7 @@ class GPULane:
                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                   amsgrad=False, maximize=False)
         host = (master.view(-1), master.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
-        on_gpu = self.cuda and self.tier.lp_on_device(a, a + n)
+        on_gpu = self.cuda and self.tier.lp_on_device(a, a + n) and lp_host is None
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))   # the gradients' D2H
             if self.timing and self._span[0] is None:
@@ -134,7 +136,7 @@ class GPULane:
             self._next = (j + 1) % self.nbuf
             bufs = [t[:y - x] if t is not None else None for t in self._buffers(j)]
             if not self.cuda:
-                self._chunk(bufs, host, x, y, a, kernel, hp, scale, on_gpu)
+                self._chunk(bufs, host, x, y, a, kernel, hp, scale, on_gpu, lp_host)
                 continue
             with torch.cuda.stream(self.h2d):
                 if self._free[j] is not None:
@@ -149,7 +151,7 @@ class GPULane:
                 ready = self.h2d.record_event()
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(ready)
-                self._chunk(bufs, host, x, y, a, kernel, hp, scale, on_gpu)
+                self._chunk(bufs, host, x, y, a, kernel, hp, scale, on_gpu, lp_host)
                 self._free[j] = self.d2h.record_event()
         if self.cuda:
             self.events[k] = self._free[(self._next - 1) % self.nbuf]
@@ -166,7 +168,7 @@ class GPULane:
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
 
-    def _chunk(self, bufs, host, x, y, a, kernel, hp, scale, on_gpu) -> None:
+    def _chunk(self, bufs, host, x, y, a, kernel, hp, scale, on_gpu, lp_host=None) -> None:
         bp, bg, bm, bv, blp, _ = bufs
         if not self.cuda:
             for d, h in zip(bufs, host):
@@ -175,6 +177,9 @@ class GPULane:
         blp.copy_(bp)
         for h, d in zip((host[0], host[2], host[3]), (bp, bm, bv)):
             h[x:y].copy_(d, non_blocking=True)
+        if lp_host is not None:
+            lp_host[a + x:a + y].copy_(blp, non_blocking=self.cuda)
+            return
         for u, ux, uy, s in self.tier.pieces(a + x, a + y):
             src = blp[s:s + uy - ux]
             if on_gpu or not self.cuda:

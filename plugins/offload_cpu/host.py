@@ -37,6 +37,8 @@ import torch
 from zeroplug.flat import set_grad
 from zeroplug.tiers import OffloadTier, TierCapabilities, grad_multiplier, step_group
 
+from .delayed import DelayedUpdate
+
 #: elements of the fp32 device buffer that publishes a master without a fused copy (64 MiB)
 PUBLISH_CHUNK = 1 << 24
 
@@ -70,6 +72,10 @@ class HostTier(OffloadTier):
     def make_lane(self, optimizer, ranges, fused: bool) -> None:
         """Decide, once, which sub-groups the GPU lane steps (the cpu tier has one)."""
 
+    def delayed_warmup(self) -> int | None:
+        """Exact steps before the one-step delayed update (:mod:`.delayed`); None: always exact."""
+        return None
+
     # -- plan --------------------------------------------------------------------------------
     def plan(self, layout) -> None:
         self.layout = layout
@@ -79,8 +85,12 @@ class HostTier(OffloadTier):
         # fp32 master + gradient here, and Adam's two fp32 moments created beside them
         gdt = self.grad_dtype()
         gb = torch.finfo(gdt).bits // 8
-        self.check_memory((12 + gb) * total, f"{total:,} fp32 master elements: master 4 + gradient {gb} + "
-                                             f"optimizer states 8 bytes each")
+        extra = ""
+        if self.delayed_warmup() is not None:     # a second gradient buffer and the step's model-dtype copy
+            extra = f" + delayed update {gb + torch.finfo(layout.param_dtype).bits // 8}"
+        per = 12 + gb + (gb + torch.finfo(layout.param_dtype).bits // 8 if extra else 0)
+        self.check_memory(per * total, f"{total:,} fp32 master elements: master 4 + gradient {gb} + "
+                                       f"optimizer states 8{extra} bytes each")
         self.master_flat = self.empty(total, torch.float32)
         self.grad_flat = self.empty(total, gdt)
         self.grad_flat.zero_()
@@ -122,6 +132,7 @@ class HostTier(OffloadTier):
         self.lane = None                           # the GPU lane (gpu_lane.py), made at the first step
         self.lane_groups: set[int] = set()         # sub-groups it steps
         self._lane_decided = False
+        self.delayed = DelayedUpdate(self) if self.delayed_warmup() is not None else None
 
     def lp_on_device(self, a: int, b: int) -> bool:
         """Whether the model-dtype shards of master elements [a, b) are on the training device."""
@@ -134,26 +145,31 @@ class HostTier(OffloadTier):
             return
         a, b = self.grad_at[unit]
         base = self.ranges[k][0]
-        dst = self.masters[k].grad[a - base:b - base]
+        live = self.delayed is not None and self.delayed.live
+        grads = self.delayed.landing(k) if self.delayed is not None else self.masters[k].grad
+        dst = grads[a - base:b - base]
         self._wait_host(k)                  # the previous step has read this gradient buffer
         if src is None:
             dst.zero_()
+            if live:
+                self.delayed.released(unit)
             return
-        if self.lane is not None and self.cuda:     # ... and the GPU lane's H2D of it is done
+        if self.lane is not None and self.cuda and not live:   # ... and the GPU lane's H2D of it is done
             self.lane.order_after(k, self.d2h)
         if not self.cuda:
             if accumulate:
                 dst.add_(src)
             else:
                 dst.copy_(src)
-            return
-        if accumulate:          # accumulation: rare path, synchronous
+        elif accumulate:          # accumulation: rare path, synchronous
             dst.add_(src.to("cpu", torch.float32))
-            return
-        self.d2h.wait_stream(torch.cuda.current_stream(self.train_device))
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-        src.record_stream(self.d2h)     # the allocator keeps src until the copy is done
+        else:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.train_device))
+            with torch.cuda.stream(self.d2h):
+                dst.copy_(src, non_blocking=True)
+            src.record_stream(self.d2h)     # the allocator keeps src until the copy is done
+        if live:
+            self.delayed.released(unit)     # the backward is done with this unit's shard
 
     def grads_landed(self) -> None:
         if self.cuda:
@@ -177,6 +193,9 @@ class HostTier(OffloadTier):
             self._lane_decided = True
             self.make_lane(optimizer, ranges, fused)
         lane = self.lane_groups      # empty unless a lane was made
+        if self.delayed is not None and self.delayed.due(optimizer):
+            self.delayed.start(optimizer, fused, mult)
+            return
         for k in sorted(lane):      # queued first: the GPU works while the CPU steps the rest
             self.lane.enqueue(groups[k], optimizer.state, k, masters[k], ranges[k][0], mult)
         cpu_groups = [k for k in range(len(ranges)) if k not in lane]
@@ -251,6 +270,9 @@ class HostTier(OffloadTier):
         fut, self._future = self._future, None
         if fut is None:
             return
+        delayed = self.delayed is not None and self.delayed.live
+        if delayed:
+            self.delayed.live = False
         try:
             fut.result()
         except BaseException as exc:
@@ -264,6 +286,8 @@ class HostTier(OffloadTier):
                 self.lane.synchronize()
         if self.cuda:
             torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
+        if delayed:
+            self.delayed.finish()
 
     def in_flight(self) -> bool:
         return self._future is not None

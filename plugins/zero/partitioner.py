@@ -64,6 +64,7 @@ class FlatPartitioner(Partitioner):
         o = self.options
         self.bucket_size = h * h if o.reduce_bucket_size == "auto" else o.reduce_bucket_size
         self._pending: list = []       # (unit, handle, out) reductions in flight
+        self._gather_late = False      # the shards change when the tier's step in flight ends
         self._prepare_module(module)
         self.all_units = [self._make_unit(i, g) for i, g in enumerate(self._group_params(module))]
         for u in self.all_units:
@@ -353,6 +354,13 @@ class FlatPartitioner(Partitioner):
     def _gather_after_step(self) -> None:
         if self.layout_world == 1:
             return
+        if self.offload is not None and self.offload.pending:
+            # Note: a tier whose step is still running when step() returns (the cpu tier's
+            # delayed_update) writes this rank's shards when it is waited for; gathering now
+            # would copy the old values, so the gather waits for wait_optimizer().
+            self._gather_late = True
+            return
+        self._gather_late = False
         inflight, n = [], 0      # at most allgather_bucket_size elements in flight at once
         for u in self.units:
             if inflight and n + u.numel > self.options.allgather_bucket_size:
@@ -367,6 +375,8 @@ class FlatPartitioner(Partitioner):
     def wait_optimizer(self) -> None:
         if self.offload is not None:
             self.offload.wait_all()
+            if self._gather_late:
+                self._gather_after_step()
 
     # -- views -------------------------------------------------------------------------
     def gathered_params(self):
