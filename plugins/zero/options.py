@@ -45,3 +45,27 @@ class ZeroOptions:
                "(on one rank a cast on the compute stream: nothing prefetched or kept for reuse).")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")
+
+
+def check_stage_config(cls, config, choice) -> None:
+    """The rules of a stage class (``cls.stage``, ``cls.shard_params``) on the whole config."""
+    import logging
+
+    from zeroplug.config import SLOT_TABLES
+    from zeroplug.errors import ConfigError
+    # Note: these are rules of the partitioner, whichever tier holds the parameters
+    param = config.slot("offload.param").name
+    nothing = SLOT_TABLES["offload.param"][1]       # the slot's default: nothing offloaded
+    if param != nothing and not cls.shard_params:
+        raise ConfigError(f"offload.param.plugin = \"{param}\" needs zero.plugin = \"stage3\" (only stage 3 "
+                          "shards parameters); offload the optimizer with [offload.optimizer] instead",
+                          key="offload.param.plugin")
+    if param != nothing and config.slot("offload.optimizer").name == nothing:
+        raise ConfigError(f"offload.param.plugin = \"{param}\" needs the optimizer offloaded too: add "
+                          f"[offload.optimizer] plugin = \"{param}\" (the fp32 masters update the "
+                          "offloaded shards)", key="offload.param.plugin")
+    if cls.stage < 3:
+        given = [k for k in config.raw.get("zero", {}) if k.startswith("stage3_")]
+        if given:
+            logging.getLogger("zeroplug").warning(
+                "[zeroplug] zero.%s applies to stage 3 only; %s ignores it", given[0], choice.name)

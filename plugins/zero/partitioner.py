@@ -450,26 +450,8 @@ class FlatPartitioner(Partitioner):
 
     @classmethod
     def check_config(cls, config, choice) -> None:
-        import logging
-
-        from zeroplug.config import SLOT_TABLES
-        from zeroplug.errors import ConfigError
-        # Note: these are rules of the partitioner, whichever tier holds the parameters
-        param = config.slot("offload.param").name
-        nothing = SLOT_TABLES["offload.param"][1]       # the slot's default: nothing offloaded
-        if param != nothing and not cls.shard_params:
-            raise ConfigError(f"offload.param.plugin = \"{param}\" needs zero.plugin = \"stage3\" (only stage 3 "
-                              "shards parameters); offload the optimizer with [offload.optimizer] instead",
-                              key="offload.param.plugin")
-        if param != nothing and config.slot("offload.optimizer").name == nothing:
-            raise ConfigError(f"offload.param.plugin = \"{param}\" needs the optimizer offloaded too: add "
-                              f"[offload.optimizer] plugin = \"{param}\" (the fp32 masters update the "
-                              "offloaded shards)", key="offload.param.plugin")
-        if cls.stage < 3:
-            given = [k for k in config.raw.get("zero", {}) if k.startswith("stage3_")]
-            if given:
-                logging.getLogger("zeroplug").warning(
-                    "[zeroplug] zero.%s applies to stage 3 only; %s ignores it", given[0], choice.name)
+        from .options import check_stage_config
+        check_stage_config(cls, config, choice)
 
 
 def _check_materialized(name: str, p: torch.Tensor) -> None:
