@@ -54,6 +54,8 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     # the forward's tail kept gathered for the backward (DeepSpeed's default 1e9) or not at all
     # (several ranks only)
     "zeroplug stage3, stage3_max_reuse_distance 0": {"plugin": "stage3", "stage3_max_reuse_distance": 0},
+    "zeroplug stage3, stage3_max_reuse_distance 1e8": {"plugin": "stage3", "stage3_max_reuse_distance": int(1e8)},
+    "zeroplug stage3, stage3_max_reuse_distance 2e8": {"plugin": "stage3", "stage3_max_reuse_distance": int(2e8)},
 }
 SEARCH = {
     "stage3": {"zero": {"plugin": "stage3"}},
@@ -159,6 +161,8 @@ def run_table(args, device) -> list[dict]:
             continue        # plain PyTorch is one rank's baseline (no data parallelism)
         if "max_reuse_distance" in label and size == 1:
             continue        # one rank keeps nothing for reuse anyway (a gather is a cast)
+        if args.rows and not any(w.strip() in label for w in args.rows.split(",")):
+            continue
         config = spec if isinstance(spec, str) else zeroplug_config({"zero": spec})
         r = measure(args.model, config, device, args.steps, args.warmup)
         r["label"] = label
@@ -240,6 +244,7 @@ def main() -> int:
     ap.add_argument("what", choices=["table", "search", "all", "probe"])
     ap.add_argument("--model", default="1.3B")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per table row")
+    ap.add_argument("--rows", default=None, help="table: labels to run, comma-separated substrings (default all)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--systems", default="stage3,fsdp2", help="search: " + ", ".join(SEARCH))
     ap.add_argument("--system", default="stage3", help="probe: one of the search systems")
