@@ -42,7 +42,7 @@ class ZeroOptions:
         False, "Stage 3: keep a model-dtype copy of each parameter shard beside its fp32 master "
                "(2 bytes per element / world; on one rank, the whole model kept gathered, no hooks), "
                "gathered without a cast; false gathers the fp32 master, cast into the gather buffer "
-               "(on one rank a cast, on CUDA on a side stream one unit ahead; nothing kept for reuse).")
+               "(on one rank a cast on the compute stream: nothing prefetched or kept for reuse).")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")
 

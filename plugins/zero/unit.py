@@ -151,13 +151,6 @@ class Unit:
         uploaded first, on the ``upload`` stream when there is one; a unit without a
         model-dtype shard gathers its master, cast (one rank: cast straight into ``full``)."""
         if self.lp_source is not None:
-            if comm.world_size == 1 and upload is not None:     # the cast, on the side stream
-                cur = torch.cuda.current_stream(self.full.device)
-                upload.wait_stream(cur)         # after the optimizer's last write to the master
-                with torch.cuda.stream(upload):
-                    self.full.copy_(self.lp_source, non_blocking=True)
-                    self.full.record_stream(upload)
-                    return _EventHandle(upload.record_event(), self.full.device)
             src = self.lp_source if comm.world_size == 1 else self.lp_source.to(self.full.dtype)
             return comm.all_gather(self.full, src, async_op=True)
         src = self.shard
