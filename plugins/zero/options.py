@@ -31,10 +31,12 @@ class ZeroOptions:
               "\"auto\" = 0.9 x hidden_size^2.", min=0)
     stage3_max_live_parameters: int = opt(1e9, "Stage 3: most gathered elements kept live before "
                                                "prefetching stops.", min=0)
-    stage3_max_reuse_distance: int = opt(1e9, "Stage 3: keep a gathered module if it is used again "
+    stage3_max_reuse_distance: int = opt(1e8, "Stage 3: keep a gathered module if it is used again "
                                               "within this many elements of execution, the backward "
                                               "included (the tail of the forward stays gathered for "
-                                              "the backward that starts with it).", min=0)
+                                              "the backward that starts with it). DeepSpeed's default "
+                                              "is 1e9; 1e8 measured as fast at less memory "
+                                              "(docs/benchmarks.md).", min=0)
     stage3_param_persistence_threshold: int | Literal["auto"] = opt(
         AUTO, "Stage 3: modules with fewer parameter elements stay whole on every rank; "
               "\"auto\" = 10 x hidden_size.", min=0)
