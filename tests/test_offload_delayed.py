@@ -11,7 +11,7 @@ import torch
 
 import zeroplug
 from distributed import run_ranks
-from toy import ToyNet, batches, engine_losses
+from toy import ToyNet, batches, engine_losses, train_steps
 
 WARMUP = 3
 
@@ -83,23 +83,12 @@ def test_stage3_warmup_exact():
     assert delayed[WARMUP + 1] != exact[WARMUP + 1]
 
 
-def _run_steps(engine, data, n):
-    out = []
-    for _ in range(n):
-        x, y = next(data)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
-
-
 def test_checkpoint_waits_and_resumes(tmp_path):
     cfg = _cfg(True, warmup=2, ckpt=tmp_path)
     data = batches(10, 8)
     torch.manual_seed(0)
     engine = zeroplug.initialize(ToyNet(), cfg)
-    _run_steps(engine, data, 5)
+    train_steps(engine, data, 5)
     tier = engine.offload_optimizer
     assert tier.in_flight()                       # step 5's update is still running
     engine.save_checkpoint(str(tmp_path), tag="s5")
@@ -108,7 +97,7 @@ def test_checkpoint_waits_and_resumes(tmp_path):
     masters = torch.cat([m.detach().flatten() for m in engine.partitioner.master_params()])
     params = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
     assert torch.equal(masters, params)
-    going_on = _run_steps(engine, data, 4)
+    going_on = train_steps(engine, data, 4)
     assert tier.delayed.steps == 7
     engine.close()
 
@@ -118,7 +107,7 @@ def test_checkpoint_waits_and_resumes(tmp_path):
     data = batches(10, 8)
     for _ in range(5):
         next(data)
-    again = _run_steps(resumed, data, 4)
+    again = train_steps(resumed, data, 4)
     assert resumed.offload_optimizer.delayed.steps == 4      # past the warm-up: the optimizer's count
     assert again == going_on
     resumed.close()
