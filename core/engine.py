@@ -75,6 +75,7 @@ class Engine:
                                groups=groups)
         factory = build("optimizer")
         self.optimizer = factory.build(self.partitioner.optimizer_params(), self.offload_optimizer.device)
+        self.partitioner.optimizer_built(self.optimizer)
         # a group's own lr follows the schedule in proportion (as torch's LR schedulers do)
         base = factory.lr or 1.0
         self._lr_scale = [g["lr"] / base for g in self.optimizer.param_groups]

@@ -199,6 +199,10 @@ class Partitioner:
         """What the optimizer is built over (tensors or param-group dicts)."""
         return self.master_params()
 
+    def optimizer_built(self, optimizer) -> None:
+        """The optimizer over :meth:`optimizer_params` exists (once, inside ``initialize``):
+        whatever the first step would otherwise allocate can be allocated now."""
+
     def step_optimizer(self, optimizer) -> None:
         raise NotImplementedError
 

@@ -85,6 +85,14 @@ def grad_multiplier(optimizer) -> float:
     return 1.0 if scale is None else 1.0 / float(scale)
 
 
+def init_group_states(optimizer, k: int) -> None:
+    """Allocate the states of optimizer param group ``k`` now, if the optimizer declares
+    ``init_group_states(k)`` (cpu_adam does; others create theirs in their first step)."""
+    fn = getattr(optimizer, "init_group_states", None)
+    if fn is not None:
+        fn(k)
+
+
 def step_group(optimizer, k: int, lp_out=None, grad_multiplier: float = 1.0, threads=None) -> bool:
     """Step optimizer param group ``k`` (sub-group k) alone; True if ``lp_out`` was written.
 
@@ -188,6 +196,10 @@ class OffloadTier:
             dst.add_(src.to(dst.device, dst.dtype))
         else:
             dst.copy_(src)
+
+    def prepare(self, optimizer) -> None:
+        """The optimizer exists (called once, inside ``initialize``, after :meth:`plan`):
+        allocate its states and the step's buffers here rather than in the first step."""
 
     def grads_landed(self) -> None:
         """Return once every gradient handed to grad_ready is in place (before the norm)."""

@@ -89,7 +89,7 @@ class GPULane:
             self._bufs.append(f32 + [lp, g16])
         return self._bufs[j]
 
-    def _states(self, state, p: torch.Tensor) -> dict:
+    def states(self, state, p: torch.Tensor) -> dict:
         """cpu_adam's state of ``p``, its moments in page-locked memory (async copies need it)."""
         st = state[p]
         tier = self.tier
@@ -108,7 +108,7 @@ class GPULane:
         group, ``state``: the optimizer's state). On a GPU this returns once the work is
         queued; ``events[k]`` marks its end. ``lp_host``: a host buffer over all master
         elements that takes the model-dtype values instead of the shards (delayed update)."""
-        st = self._states(state, master)
+        st = self.states(state, master)
         st["step"] += 1
         n = master.numel()
         self.elements += n

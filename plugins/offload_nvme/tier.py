@@ -35,6 +35,10 @@ class NVMeOffload(HostTier):
     def capabilities(self) -> TierCapabilities:
         return TierCapabilities(offloaded=True, in_memory=False)
 
+    def prepare(self, optimizer) -> None:
+        """Nothing ahead: each sub-group's states are created when it is first brought in
+        (they live in files between uses; all of them at once would not fit in memory)."""
+
     def empty(self, numel, dtype):
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         avail = host_available_bytes()

@@ -131,6 +131,12 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError("step_param: tensor is not a parameter of this optimizer")
         return hit[1]
 
+    def init_group_states(self, k: int) -> None:
+        """Allocate param group ``k``'s moments now (zeroplug.tiers.init_group_states): an
+        offload tier calls it inside ``initialize`` so the first step allocates nothing."""
+        for p in self.param_groups[k]["params"]:
+            self._init_state(p)
+
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if len(state) == 0:

@@ -77,6 +77,9 @@ class Offloaded:
         return out
 
     # -- the step ------------------------------------------------------------------------
+    def prepare(self, optimizer) -> None:
+        self.tier.prepare(optimizer)
+
     def step(self, optimizer) -> None:
         self.tier.step(optimizer)
 

@@ -338,6 +338,10 @@ class FlatPartitioner(Partitioner):
         self.before_backward()
 
     # -- the optimizer step --------------------------------------------------------------
+    def optimizer_built(self, optimizer) -> None:
+        if self.offload is not None:
+            self.offload.prepare(optimizer)
+
     def step_optimizer(self, optimizer) -> None:
         """Step the masters and publish them as model parameters."""
         self.release_all()
