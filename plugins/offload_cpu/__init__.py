@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from zeroplug import hookimpl
-from zeroplug.errors import HostMemoryError
+from zeroplug.errors import ConfigError, HostMemoryError
 from zeroplug.flat import mixed_grad_ok
 from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.options import opt
@@ -114,6 +114,12 @@ class CPUOffload(HostTier):
                 log.warning("[zeroplug] offload.optimizer.gpu_resident_ratio = %s ignored: %s", ratio, why)
             return
         self.resident_groups = assign([sg.numel for sg in layout.sub_groups], ratio)
+        need = 12 * sum(layout.sub_groups[k].numel for k in self.resident_groups)
+        free = torch.cuda.mem_get_info(self.train_device)[0] if self.cuda else need
+        if need > free:
+            raise ConfigError(
+                f"offload.optimizer.gpu_resident_ratio = {ratio} keeps {need / GB:.2f} GiB of optimizer states "
+                f"on the GPU but only {free / GB:.2f} GiB is free there; lower it (or set 0)")
 
     def check_memory(self, nbytes, what):
         limit = self.options.host_memory_limit_gb * GB or host_available_bytes()
