@@ -138,3 +138,116 @@ def test_auto_is_off_on_cpu():
     losses, eng = engine_losses(ToyNet, 2, 8, _cfg("stage2", "fp32", "auto", 1))
     assert eng.offload_optimizer.lane is None
     eng.close()
+
+
+# -- resident sub-groups (gpu_resident_ratio) ------------------------------------------------
+# On a GPU these run as they are; on a CPU the tier's device check is overridden, so the same
+# code keeps the "resident" states in separate CPU tensors (stale host copies, export/import,
+# offload_states) and CI tests the bookkeeping.
+
+@pytest.fixture
+def resident_anywhere(monkeypatch):
+    from zeroplug.plugins.offload_cpu import CPUOffload
+    monkeypatch.setattr(CPUOffload, "resident_device_ok", lambda self: True)
+
+
+def _resident_cfg(stage, step_ratio, resident, offload_param=False):
+    cfg = _cfg(stage, "bf16", step_ratio, 1)
+    cfg["offload"]["optimizer"]["gpu_resident_ratio"] = resident
+    if offload_param:
+        cfg["offload"]["param"] = {"plugin": "cpu"}
+    return cfg
+
+
+def _masters(eng):
+    """The masters as checkpoints see them (resident ones copied down first)."""
+    from zeroplug.tiers import all_exported
+    eng.partitioner.wait_optimizer()
+    with all_exported(eng.offload_optimizer, eng.optimizer):
+        return [t.detach().clone() for t in eng.partitioner.master_params()]
+
+
+@pytest.mark.parametrize("stage,offload_param", [("stage2", False), ("stage3", False), ("stage3", True)])
+def test_resident_equals_streamed_lane(resident_anywhere, stage, offload_param):
+    l0, e0 = engine_losses(ToyNet, STEPS, 8, _resident_cfg(stage, 1.0, 0.0, offload_param))
+    m0 = _masters(e0)
+    e0.close()
+    for resident in (1.0, 0.5):
+        l1, e1 = engine_losses(ToyNet, STEPS, 8, _resident_cfg(stage, 1.0, resident, offload_param))
+        off = e1.offload_optimizer
+        e1.partitioner.wait_optimizer()
+        assert off.lane.resident and not off.capabilities.in_memory
+        assert off.lane.elements == STEPS * sum(t.numel() for t in e1.partitioner.master_params())
+        k = min(off.lane.resident)
+        # the host copy is stale between steps: the states live on the device
+        assert not torch.equal(off.masters[k].view(-1), off.lane.resident[k][0].cpu())
+        m1 = _masters(e1)
+        assert l1 == l0                  # the same kernel on the same inputs: bit for bit
+        for a, b in zip(m0, m1):
+            assert torch.equal(a, b)
+        e1.close()
+
+
+def test_resident_beside_cpu_adam_follows_the_cpu_step(resident_anywhere):
+    l0, e0 = engine_losses(ToyNet, STEPS, 8, _resident_cfg("stage3", 0.0, 0.0))
+    m0 = _masters(e0)
+    e0.close()
+    l1, e1 = engine_losses(ToyNet, STEPS, 8, _resident_cfg("stage3", 0.0, 0.5))
+    off = e1.offload_optimizer
+    assert off.lane.resident and off.lane_groups == set(off.lane.resident)
+    assert l1 == pytest.approx(l0, rel=2e-2, abs=2e-2)
+    for a, b in zip(m0, _masters(e1)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    e1.close()
+
+
+def test_checkpoint_resumes_exactly_with_resident_states(resident_anywhere, tmp_path):
+    data = list(batches(6, 8))
+    cfg = _resident_cfg("stage3", 0.5, 0.5, offload_param=True)
+    torch.manual_seed(0)
+    eng = zeroplug.initialize(ToyNet(), cfg)
+    _train(eng, data)
+    straight = _masters(eng)
+    eng.close()
+
+    torch.manual_seed(0)
+    eng = zeroplug.initialize(ToyNet(), cfg)
+    _train(eng, data[:3])
+    eng.save_checkpoint(str(tmp_path))       # resident states copied down into the checkpoint
+    eng.close()
+    for warm in (False, True):
+        torch.manual_seed(1)
+        eng = zeroplug.initialize(ToyNet(), cfg)
+        if warm:        # resident states exist already: the load copies them up
+            _train(eng, list(batches(1, 8, seed=99)))
+            assert eng.offload_optimizer.lane.resident
+        eng.load_checkpoint(str(tmp_path))
+        _train(eng, data[3:])
+        assert eng.offload_optimizer.lane.resident
+        for a, b in zip(straight, _masters(eng)):
+            assert torch.equal(a, b)
+        eng.close()
+
+
+def test_offload_states_round_trip_with_resident_states(resident_anywhere, tmp_path):
+    data = list(batches(6, 8))
+    cfg = _resident_cfg("stage3", 0.0, 0.5)
+    torch.manual_seed(0)
+    eng = zeroplug.initialize(ToyNet(), cfg)
+    _train(eng, data)
+    straight = _masters(eng)
+    eng.close()
+
+    torch.manual_seed(0)
+    eng = zeroplug.initialize(ToyNet(), cfg)
+    _train(eng, data[:3])
+    lane = eng.offload_optimizer.lane
+    device = "cpu" if torch.cuda.is_available() else "nvme"
+    eng.offload_states(device=device, nvme_path=str(tmp_path))
+    assert all(t.untyped_storage().size() == 0 for ts in lane.resident.values() for t in ts)
+    eng.reload_states()
+    assert all(t.untyped_storage().size() > 0 for ts in lane.resident.values() for t in ts)
+    _train(eng, data[3:])
+    for a, b in zip(straight, _masters(eng)):
+        assert torch.equal(a, b)
+    eng.close()

@@ -3,17 +3,18 @@ the optimizer step on the CPU: :mod:`.host`, and a share of it on the GPU: :mod:
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from zeroplug import hookimpl
-from zeroplug.errors import HostMemoryError
+from zeroplug.errors import ConfigError, HostMemoryError
 from zeroplug.flat import mixed_grad_ok
 from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.options import opt
-from zeroplug.tiers import OffloadTier, reads_grad_dtype
+from zeroplug.tiers import OffloadTier, TierCapabilities, reads_grad_dtype
 
 from .host import HostTier
 
@@ -42,6 +43,15 @@ class CPUOptions:
                 f"{AUTO_GPU_STEP_RATIO} for stage 3 with per-module gathering on a GPU (where the step can overlap the "
                 "next forward), else 0 (measured: it pays there, not beside the serial stage-2 step). Needs "
                 "cpu_adam and pin_memory.",
+        min=0.0, max=1.0)
+    gpu_resident_ratio: float = opt(
+        0.0, "Share of the optimizer step (in elements) whose fp32 master and Adam moments stay in GPU memory "
+             "(allocated at the first step, 12 bytes per element): torch's fused AdamW steps them there, only "
+             "the gradient comes H2D and only the model-dtype copy goes out, so they cost no host memory "
+             "traffic for the states. DeepSpeed's ZeRO-Offload++ `ratio` keeps 1 - ratio on the GPU the same "
+             "way. gpu_step_ratio then shares out the other sub-groups. Checkpoints and offload_states copy "
+             "these states to the host and back. Needs a CUDA device, cpu_adam and pin_memory; not with "
+             "delayed_update. 0 = every state in host memory.",
         min=0.0, max=1.0)
     gpu_step_chunk: int = opt(1 << 23, "Elements per H2D/D2H chunk of the GPU step; three chunk buffers "
                                        "(18-20 bytes per element: 0.5 GB by default) live on the GPU.",
@@ -76,6 +86,40 @@ class CPUOffload(HostTier):
     def __init__(self, options, run, kind):
         super().__init__(options, run, kind)
         self._registered: list[torch.Tensor] = []      # host buffers we page-locked
+        self.resident_groups: set[int] = set()         # sub-groups whose states live on the GPU
+
+    @property
+    def capabilities(self) -> TierCapabilities:
+        # Note: resident sub-groups' host states are stale between steps, so readers go
+        # through export / import_, which copy them down and up.
+        return TierCapabilities(offloaded=True, in_memory=not self.resident_groups)
+
+    def resident_device_ok(self) -> bool:
+        """Whether the training device can hold resident states (a GPU)."""
+        return self.cuda
+
+    def plan(self, layout) -> None:
+        super().plan(layout)
+        ratio = self.options.gpu_resident_ratio
+        if self.kind != "optimizer" or ratio <= 0:
+            return
+        from .gpu_lane import assign
+        why = None
+        if not self.resident_device_ok():
+            why = "it needs a CUDA training device (on a CPU the states are in host memory already)"
+        elif self.delayed is not None:
+            why = "not with delayed_update"
+        if why is not None:
+            if self.run.rank == 0:
+                log.warning("[zeroplug] offload.optimizer.gpu_resident_ratio = %s ignored: %s", ratio, why)
+            return
+        self.resident_groups = assign([sg.numel for sg in layout.sub_groups], ratio)
+        need = 12 * sum(layout.sub_groups[k].numel for k in self.resident_groups)
+        free = torch.cuda.mem_get_info(self.train_device)[0] if self.cuda else need
+        if need > free:
+            raise ConfigError(
+                f"offload.optimizer.gpu_resident_ratio = {ratio} keeps {need / GB:.2f} GiB of optimizer states "
+                f"on the GPU but only {free / GB:.2f} GiB is free there; lower it (or set 0)")
 
     def check_memory(self, nbytes, what):
         limit = self.options.host_memory_limit_gb * GB or host_available_bytes()
@@ -133,8 +177,9 @@ class CPUOffload(HostTier):
     def make_lane(self, optimizer, ranges, fused: bool) -> None:
         from .gpu_lane import GPULane, assign
         ratio = self.gpu_step_ratio()
+        resident = self.resident_groups
         why = None
-        if ratio <= 0:
+        if ratio <= 0 and not resident:
             return
         if not fused or not all(g.get("bias_correction", False) for g in optimizer.param_groups):
             why = ("it needs optimizer cpu_adam (or auto) with bias_correction = true, and parameters "
@@ -144,18 +189,48 @@ class CPUOffload(HostTier):
             why = "it needs pin_memory = true (asynchronous copies)"
         if why is not None:
             if self.run.rank == 0:
-                log.warning("[zeroplug] offload.optimizer.gpu_step_ratio = %s ignored: %s", ratio, why)
+                what = " and ".join(f"{name} = {value}" for name, value in (
+                    ("gpu_step_ratio", ratio), ("gpu_resident_ratio", self.options.gpu_resident_ratio))
+                    if value and (name == "gpu_step_ratio" or resident))
+                log.warning("[zeroplug] offload.optimizer.%s ignored: %s", what, why)
+            self.resident_groups = set()      # never moved: the host states are current
             return
-        self.lane_groups = assign([b - a for a, b in ranges], ratio)
+        sizes = [b - a for a, b in ranges]
+        rest = [k for k in range(len(ranges)) if k not in resident]
+        streamed = {rest[i] for i in assign([sizes[k] for k in rest], ratio)}
+        self.lane_groups = streamed | resident
         if not self.lane_groups:
             return
-        largest = max(ranges[k][1] - ranges[k][0] for k in self.lane_groups)
+        largest = max(sizes[k] for k in self.lane_groups)
         self.lane = GPULane(self, self.options.gpu_step_chunk, largest)
+        for k in sorted(resident):
+            self.lane.make_resident(k, optimizer.state, self.masters[k])
         if self.run.rank == 0:
-            n = sum(ranges[k][1] - ranges[k][0] for k in self.lane_groups)
-            log.info("[zeroplug] offload.optimizer: the GPU steps %d of %d sub-groups (%.0f%% of %d elements; "
-                     "%.2f GiB of chunk buffers), cpu_adam the rest", len(self.lane_groups), len(ranges),
-                     100.0 * n / max(1, ranges[-1][1]), ranges[-1][1], self.lane.gpu_bytes() / 2**30)
+            total = max(1, ranges[-1][1])
+            n = sum(sizes[k] for k in streamed)
+            r = sum(sizes[k] for k in resident)
+            log.info("[zeroplug] offload.optimizer: the GPU steps %d of %d sub-groups (%.0f%% of %d elements "
+                     "streamed, %.2f GiB of chunk buffers; %.0f%% resident, %.2f GiB), cpu_adam the rest",
+                     len(self.lane_groups), len(ranges), 100.0 * n / total, ranges[-1][1],
+                     self.lane.gpu_bytes() / 2**30, 100.0 * r / total, self.lane.resident_bytes() / 2**30)
+
+    # -- resident sub-groups outside the step --------------------------------------------
+    def _resident(self, k: int) -> bool:
+        return self.lane is not None and k in self.lane.resident
+
+    @contextmanager
+    def export(self, k, optimizer):
+        if self._resident(k):
+            self.lane.synchronize()
+            self.lane.to_host(k, optimizer.state, self.masters[k])
+        yield self.masters[k]
+
+    @contextmanager
+    def import_(self, k, optimizer):
+        yield self.masters[k]
+        if self._resident(k):
+            self.lane.synchronize()
+            self.lane.from_host(k, optimizer.state, self.masters[k])
 
     def empty(self, numel, dtype):
         t = torch.empty(numel, dtype=dtype, device="cpu")
@@ -196,6 +271,29 @@ class CPUOffload(HostTier):
         while self._registered:
             t = self._registered.pop()
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def _resident_lane(engine):
+    tier = getattr(engine, "offload_optimizer", None)
+    lane = getattr(tier, "lane", None) if isinstance(tier, CPUOffload) else None
+    return lane if lane is not None and lane.resident else None
+
+
+@hookimpl
+def zeroplug_offload_states(engine, include, device):
+    """Resident GPU states leave GPU memory with the states they belong to."""
+    lane = _resident_lane(engine)
+    if lane is None:
+        return
+    which = ((0,) if "hp_params" in include else ()) + ((1, 2) if "optim_states" in include else ())
+    lane.park(which)
+
+
+@hookimpl
+def zeroplug_reload_states(engine):
+    lane = _resident_lane(engine)
+    if lane is not None:
+        lane.unpark()
 
 
 @hookimpl

@@ -24,6 +24,15 @@ values bit for bit. The two lanes' kernels are different code (torch's fused Ada
 cpu_adam), so a sub-group's values differ in the last bits between ratio 0 and > 0;
 both follow torch.optim.AdamW within the tolerances of the offload tests.
 
+Resident sub-groups (``gpu_resident_ratio``): a share of the sub-groups keeps its fp32
+master and Adam moments in GPU memory for the tier's life (copied up once, at the first
+step). The lane steps them with the same kernel and the same chunks; only the gradient
+goes H2D (from the host gradient buffer, in the model dtype where that is exact) and only
+the model-dtype copy goes out (D2H into host shards, or device to device into GPU shards).
+The host master and moments of such a sub-group are stale between steps: the tier's
+``export`` copies them down and ``import_`` copies them up again (checkpoints), and
+``offload_states`` frees and refills the GPU copies.
+
 Note: on a CPU-only run the same code runs with synchronous copies and torch's CPU
 fused AdamW, which is how CI tests the lane's bookkeeping (chunks, step counts,
 model-dtype pieces, checkpoints).
@@ -73,12 +82,57 @@ class GPULane:
         self.elements = 0                           # a statistic: elements stepped here so far
         self.timing = False                         # record the GPU span of each step (benchmarks)
         self._span: list = [None, None]             # (start, end) CUDA events of the current step
+        self.resident: dict[int, tuple[torch.Tensor, ...]] = {}   # k -> (master, exp_avg, exp_avg_sq) here
+        self._parked: dict[tuple[int, int], torch.Tensor] = {}      # (k, position) -> host copy (offload_states)
 
     def gpu_bytes(self) -> int:
         """GPU memory the lane's chunk buffers take (master, grad, m, v in fp32 + lp)."""
         g = self.gdtype
         extra = torch.finfo(g).bits // 8 if g != torch.float32 else 0
         return self.nbuf * self.chunk * (16 + torch.finfo(self.pdtype).bits // 8 + extra)
+
+    def resident_bytes(self) -> int:
+        """GPU memory of the resident sub-groups (fp32 master and two moments)."""
+        return sum(12 * t[0].numel() for t in self.resident.values())
+
+    # -- resident sub-groups ------------------------------------------------------------
+    def make_resident(self, k: int, state, master: torch.Tensor) -> None:
+        """Sub-group k's master and moments go up once and live here from now on."""
+        self.resident[k] = tuple(torch.empty(master.numel(), dtype=torch.float32, device=self.device)
+                                 for _ in range(3))
+        self.from_host(k, state, master)
+
+    def from_host(self, k: int, state, master: torch.Tensor) -> None:
+        """The host master and moments of resident sub-group k (loaded, say) into its GPU copies."""
+        st = self._states(state, master)
+        for d, h in zip(self.resident[k], (master, st["exp_avg"], st["exp_avg_sq"])):
+            d.copy_(h.reshape(-1))
+
+    def to_host(self, k: int, state, master: torch.Tensor) -> None:
+        """Resident sub-group k's master and moments into their host tensors (to be read)."""
+        st = self._states(state, master)
+        for h, d in zip((master, st["exp_avg"], st["exp_avg_sq"]), self.resident[k]):
+            h.view(-1).copy_(d)
+
+    def park(self, which: tuple[int, ...]) -> None:
+        """``offload_states``: the resident tensors at positions ``which`` (0 master, 1 and 2
+        the moments) are copied to host memory and their GPU memory is freed."""
+        self.synchronize()
+        for k, ts in self.resident.items():
+            for i in which:
+                t = ts[i]
+                if (k, i) in self._parked or not t.untyped_storage().size():
+                    continue
+                self._parked[(k, i)] = t.to("cpu", copy=True)
+                t.untyped_storage().resize_(0)
+
+    def unpark(self) -> None:
+        """``reload_states``: the parked tensors back into GPU memory."""
+        for (k, i), host in self._parked.items():
+            t = self.resident[k][i]
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.copy_(host)
+        self._parked.clear()
 
     def _buffers(self, j: int) -> list[torch.Tensor]:
         while len(self._bufs) <= j:
@@ -120,6 +174,9 @@ class GPULane:
                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                   amsgrad=False, maximize=False)
         host = (master.view(-1), master.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
+        resident = self.resident.get(k)
+        if resident is not None:        # only the gradient comes from the host
+            host = (None, host[1], None, None)
         on_gpu = self.cuda and self.tier.lp_on_device(a, a + n) and lp_host is None
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))   # the gradients' D2H
@@ -135,6 +192,8 @@ class GPULane:
             j = self._next
             self._next = (j + 1) % self.nbuf
             bufs = [t[:y - x] if t is not None else None for t in self._buffers(j)]
+            if resident is not None:
+                bufs[0], bufs[2], bufs[3] = (t[x:y] for t in resident)
             if not self.cuda:
                 self._chunk(bufs, host, x, y, a, kernel, hp, scale, on_gpu, lp_host)
                 continue
@@ -143,6 +202,8 @@ class GPULane:
                     self.h2d.wait_event(self._free[j])
                 g16 = bufs[5]
                 for d, h in zip(bufs, host):
+                    if h is None:
+                        continue                                # resident: already here
                     if d is bufs[1] and g16 is not None:
                         g16.copy_(h[x:y], non_blocking=True)    # 2 bytes over the link, widened here
                         d.copy_(g16)
@@ -172,11 +233,13 @@ class GPULane:
         bp, bg, bm, bv, blp, _ = bufs
         if not self.cuda:
             for d, h in zip(bufs, host):
-                d.copy_(h[x:y])
+                if h is not None:
+                    d.copy_(h[x:y])
         kernel([bp], [bg], [bm], [bv], [], [self._step], grad_scale=scale, found_inf=None, **hp)
         blp.copy_(bp)
         for h, d in zip((host[0], host[2], host[3]), (bp, bm, bv)):
-            h[x:y].copy_(d, non_blocking=True)
+            if h is not None:       # (resident: the states stay here)
+                h[x:y].copy_(d, non_blocking=True)
         if lp_host is not None:
             lp_host[a + x:a + y].copy_(blp, non_blocking=self.cuda)
             return

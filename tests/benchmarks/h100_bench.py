@@ -146,6 +146,8 @@ def workload(args) -> dict:
         if args.gpu_step_ratio is not None and args.offload_optimizer == "cpu":
             r = args.gpu_step_ratio
             cfg["offload"]["optimizer"]["gpu_step_ratio"] = r if r == "auto" else float(r)
+        if args.gpu_resident_ratio is not None and args.offload_optimizer == "cpu":
+            cfg["offload"]["optimizer"]["gpu_resident_ratio"] = args.gpu_resident_ratio
         if args.gpu_step_chunk and args.offload_optimizer == "cpu":
             cfg["offload"]["optimizer"]["gpu_step_chunk"] = int(args.gpu_step_chunk)
         if args.grad_dtype and args.offload_optimizer == "cpu":
@@ -206,6 +208,9 @@ def workload(args) -> dict:
         res["host_grad_dtype"] = str(masters[0].grad.dtype) if offloaded and masters else None
         lane = getattr(engine.offload_optimizer, "lane_groups", ())
         res["gpu_lane_share"] = (sum(masters[k].numel() for k in lane) / max(1, sum(t.numel() for t in masters)))
+        resident = getattr(engine.offload_optimizer, "resident_groups", ())
+        res["gpu_resident_share"] = (sum(masters[k].numel() for k in resident)
+                                     / max(1, sum(t.numel() for t in masters)))
     if bw is not None:
         rd, wr = moved[-1]
         floor = rd / bw[1] + wr / bw[0]
@@ -220,7 +225,8 @@ def workload(args) -> dict:
         print(f"RESULT {res['zero']:>7} {args.model} world={world} step={med:.3f}s "
               f"tokens/s/gpu={tps:,.0f} TFLOPS={res['tflops_per_gpu']:.0f} "
               f"peakGPU={res['peak_gpu_gib']:.1f}GiB RSS={res['rss_gib']:.1f}GiB "
-              f"grads={res.get('host_grad_dtype')} lane={res.get('gpu_lane_share', 0):.2f}", flush=True)
+              f"grads={res.get('host_grad_dtype')} lane={res.get('gpu_lane_share', 0):.2f} "
+              f"resident={res.get('gpu_resident_share', 0):.2f}", flush=True)
     return res
 
 
@@ -297,6 +303,9 @@ def main():
     p.add_argument("--reuse-distance", type=float, default=None, help="zero.stage3_max_reuse_distance")
     p.add_argument("--gpu-step-ratio", default=None, help="[offload.optimizer] gpu_step_ratio (cpu tier): a "
                    "number or auto; default: the option's default")
+    p.add_argument("--gpu-resident-ratio", type=float, default=None,
+                   help="[offload.optimizer] gpu_resident_ratio (cpu tier): the share of the sub-groups whose states "
+                        "stay in GPU memory")
     p.add_argument("--gpu-step-chunk", type=float, default=None, help="[offload.optimizer] gpu_step_chunk")
     p.add_argument("--grad-dtype", choices=["auto", "fp32"], default=None, help="[offload.optimizer] grad_dtype")
     p.add_argument("--json")
