@@ -104,13 +104,13 @@ class GPULane:
 
     def from_host(self, k: int, state, master: torch.Tensor) -> None:
         """The host master and moments of resident sub-group k (loaded, say) into its GPU copies."""
-        st = self._states(state, master)
+        st = self.states(state, master)
         for d, h in zip(self.resident[k], (master, st["exp_avg"], st["exp_avg_sq"])):
             d.copy_(h.reshape(-1))
 
     def to_host(self, k: int, state, master: torch.Tensor) -> None:
         """Resident sub-group k's master and moments into their host tensors (to be read)."""
-        st = self._states(state, master)
+        st = self.states(state, master)
         for h, d in zip((master, st["exp_avg"], st["exp_avg_sq"]), self.resident[k]):
             h.view(-1).copy_(d)
 
