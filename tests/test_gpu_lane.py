@@ -201,14 +201,20 @@ def test_resident_beside_cpu_adam_follows_the_cpu_step(resident_anywhere):
     e1.close()
 
 
-def test_checkpoint_resumes_exactly_with_resident_states(resident_anywhere, tmp_path):
-    data = list(batches(6, 8))
-    cfg = _resident_cfg("stage3", 0.5, 0.5, offload_param=True)
+def _trained_masters(cfg, data) -> list[torch.Tensor]:
+    """The masters after training on ``data`` without interruption (seed 0)."""
     torch.manual_seed(0)
     eng = zeroplug.initialize(ToyNet(), cfg)
     _train(eng, data)
-    straight = _masters(eng)
+    out = _masters(eng)
     eng.close()
+    return out
+
+
+def test_checkpoint_resumes_exactly_with_resident_states(resident_anywhere, tmp_path):
+    data = list(batches(6, 8))
+    cfg = _resident_cfg("stage3", 0.5, 0.5, offload_param=True)
+    straight = _trained_masters(cfg, data)
 
     torch.manual_seed(0)
     eng = zeroplug.initialize(ToyNet(), cfg)
@@ -232,11 +238,7 @@ def test_checkpoint_resumes_exactly_with_resident_states(resident_anywhere, tmp_
 def test_offload_states_round_trip_with_resident_states(resident_anywhere, tmp_path):
     data = list(batches(6, 8))
     cfg = _resident_cfg("stage3", 0.0, 0.5)
-    torch.manual_seed(0)
-    eng = zeroplug.initialize(ToyNet(), cfg)
-    _train(eng, data)
-    straight = _masters(eng)
-    eng.close()
+    straight = _trained_masters(cfg, data)
 
     torch.manual_seed(0)
     eng = zeroplug.initialize(ToyNet(), cfg)
