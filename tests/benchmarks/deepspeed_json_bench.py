@@ -17,8 +17,10 @@ Raw results go to $OUT/deepspeed_json_bench.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
+import logging
 import os
 import statistics
 import time
@@ -58,7 +60,9 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     micro = ds["train_micro_batch_size_per_gpu"]
     g = torch.Generator(device=dev).manual_seed(rank)
     times = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
+        if args.trace_stalls:    # every thread's stack each N s while a step runs: where a slow step waits
+            faulthandler.dump_traceback_later(args.trace_stalls, repeat=True)
         x = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
         y = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
         torch.cuda.synchronize()
@@ -68,6 +72,10 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if args.trace_stalls:
+            faulthandler.cancel_dump_traceback_later()
+        if rank == 0 and args.log:
+            print(f"step {i + 1}: {times[-1]:.3f} s", flush=True)
     steady = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     total_after_warmup = sum(times[2:]) if len(times) > 2 else times[-1]
     res = {"row": name, "config": path.name, "world": world, "model": args.model, "steps": args.steps,
@@ -93,7 +101,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="steps per row (two warm-up steps + timed ones)")
     p.add_argument("--model", default="1.3B")
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--log", action="store_true", help="zeroplug's INFO lines (kernel warm-up, threads) and each step's time")
+    p.add_argument("--trace-stalls", type=float, default=0.0, metavar="S",
+                   help="print every thread's stack each S seconds while a step runs (finds what a slow step waits on)")
     args = p.parse_args()
+    if args.log:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     world = 1
     if "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
