@@ -21,6 +21,13 @@ SCRIPT = r"""
 import json, sys, time
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor import cpu_vec_isa
+checks = []
+real_check = cpu_vec_isa.VecISA.check_build
+def counted(isa, code):
+    checks.append(type(isa).__name__)
+    return real_check(isa, code)
+cpu_vec_isa.VecISA.check_build = counted       # inductor's vector-ISA checks, counted
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
 from zeroplug.plugins.optim.cpu_adam_warmup import WarmUp
 n = (1 << 17) + 7
@@ -34,7 +41,7 @@ lp = torch.empty(n, dtype=torch.bfloat16)
 opt.step_param(p, torch.ones(n, dtype=torch.bfloat16), lp_out=lp, grad_scale=0.5)
 print(json.dumps({**{k: v for k, v in w.stats.items() if k != "result"}, "error": w.error,
                   "result": list(w.stats.get("result", {}).values()),
-                  "step_compiled": sum(counters["inductor"].values()) - compiled,
+                  "step_compiled": sum(counters["inductor"].values()) - compiled, "isa_checks": len(checks),
                   "lp_ok": bool(torch.equal(lp, p.to(torch.bfloat16)))}))
 """
 
@@ -62,6 +69,10 @@ def test_second_process_loads_the_kernel(tmp_path):
     assert loader["cache_misses"] == 0 and loader["cache_hits"] >= 1
     assert loader["build_seconds"] < builder["build_seconds"]
     assert loader["waited_seconds"] > 0.1     # it waited for the builder's lock
+    # inductor's vector-ISA checks (a compile and a child process each) ran once, in the builder
+    assert builder["isa_checks"] >= 1 and loader["isa_checks"] == 0
+    with open(os.path.join(builder["cache_dir"], "vector_isa_checks.json")) as f:
+        assert len(json.load(f)) == builder["isa_checks"]
 
 
 def test_unwritable_cache_dir_falls_back(tmp_path):

@@ -29,6 +29,8 @@ files can be used on their own.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -189,6 +191,49 @@ class _Compiled:
 
 class _NoCompiler(RuntimeError):
     pass
+
+
+def remember_isa_checks(path: str) -> None:
+    """Keep the answers of inductor's vector-ISA checks in the JSON file ``path``.
+
+    Note: before inductor builds a CPU kernel, or loads one from its cache, it asks which
+    vector ISAs (AVX2, AVX-512, AMX, ...) the machine can use, by compiling a test program
+    per candidate and loading it in a child Python, which imports torch on some versions:
+    10-20 s per check, in every process. The answer depends only on the CPU, the compiler
+    and torch, which the directory of ``path`` is keyed by (the warm-up's cache), so each
+    check runs once per machine: this wraps ``VecISA.check_build`` (every check goes
+    through it) with a lookup in ``path``, and records new answers there. Where torch has
+    no such method, nothing changes (inductor checks as before)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+        check = cpu_vec_isa.VecISA.check_build
+    except (ImportError, AttributeError):
+        return
+    if getattr(check, "remembered_in", None) == path:
+        return
+    check = getattr(check, "checks_for_real", check)
+    try:
+        with open(path) as f:
+            known = dict(json.load(f))
+    except (OSError, ValueError, TypeError):
+        known = {}
+
+    def check_build(isa, code: str) -> bool:
+        key = f"{type(isa).__name__} {getattr(isa, '_arch_flags', '')} {hashlib.sha256(code.encode()).hexdigest()[:16]}"
+        if key not in known:
+            known[key] = bool(check(isa, code))
+            try:
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(known, f, indent=1)
+                os.replace(tmp, path)
+            except OSError:
+                pass            # unwritable: the next process checks again
+        return known[key]
+
+    check_build.remembered_in = path
+    check_build.checks_for_real = check
+    cpu_vec_isa.VecISA.check_build = check_build
 
 
 def compiler_missing() -> str | None:

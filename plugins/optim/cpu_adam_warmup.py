@@ -4,7 +4,10 @@ What makes a second process skip the C++ build is inductor's FX graph cache: the
 graph (and the shared object it loads) is stored under ``TORCHINDUCTOR_CACHE_DIR``, keyed by
 the graph, torch's version and the inductor options (the kernel's thread count among them).
 A later process still traces the function (about a second) but loads the kernel instead of
-running the C++ compiler. Inductor's default directory is under ``/tmp``, which containers
+running the C++ compiler. Before inductor builds or loads a CPU kernel it checks which
+vector ISAs the machine can use, 10-20 s per check in every process; the warm-up keeps
+those answers in ``vector_isa_checks.json`` beside the cache, so they too are found once
+per machine (:func:`.cpu_adam_kernels.remember_isa_checks`). Inductor's default directory is under ``/tmp``, which containers
 and reboots empty; zeroplug points it at ``~/.cache/zeroplug/torch-<version>/<cpu>/inductor``
 (``ZEROPLUG_CACHE_DIR`` moves the root; a ``TORCHINDUCTOR_CACHE_DIR`` already set is kept).
 The ``<cpu>`` part names the CPU model and its instruction-set flags, so a home directory
@@ -35,6 +38,7 @@ log = logging.getLogger("zeroplug")
 
 CACHE_ENV = "ZEROPLUG_CACHE_DIR"
 LOCK_NAME = "cpu_adam.lock"
+ISA_FILE = "vector_isa_checks.json"
 
 
 def cpu_tag() -> str:
@@ -151,6 +155,7 @@ class WarmUp:
                 log.warning("[zeroplug] %s", warning)
             lock, waited = _lock(os.path.join(lock_dir, LOCK_NAME), self.announce)
             t1 = time.perf_counter()
+            kernels.remember_isa_checks(os.path.join(lock_dir, ISA_FILE))
             result = self.optimizer.warm_up(self.keys, self.thread_counts)
             after = _cache_counters()
             self.stats = {"seconds": time.perf_counter() - t0, "build_seconds": time.perf_counter() - t1,

@@ -68,10 +68,15 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = engine(x, y)
+        t_fwd = sync_time(args.phases)
         engine.backward(loss)
+        t_bwd = sync_time(args.phases)
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if args.phases and rank == 0:
+            print(f"step {i + 1} phases (synchronised): forward {t_fwd - t0:.3f} s, backward {t_bwd - t_fwd:.3f} s, "
+                  f"step {t0 + times[-1] - t_bwd:.3f} s", flush=True)
         if args.trace_stalls:
             faulthandler.cancel_dump_traceback_later()
         if rank == 0 and args.log:
@@ -94,6 +99,12 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     return res
 
 
+def sync_time(sync: bool) -> float:
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="*", choices=sorted(ROWS), default=None,
@@ -102,6 +113,8 @@ def main() -> None:
     p.add_argument("--model", default="1.3B")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--log", action="store_true", help="zeroplug's INFO lines (kernel warm-up, threads) and each step's time")
+    p.add_argument("--phases", action="store_true",
+                   help="synchronise after forward and backward and print each phase's time (slows the step)")
     p.add_argument("--trace-stalls", type=float, default=0.0, metavar="S",
                    help="print every thread's stack each S seconds while a step runs (finds what a slow step waits on)")
     args = p.parse_args()

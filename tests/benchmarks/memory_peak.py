@@ -35,7 +35,7 @@ def main():
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
     import zeroplug
-    from zeroplug.models import GPT, get_preset
+    from zeroplug.workload.models import GPT, get_preset
     cfg = get_preset(args.model, activation_checkpointing=True)
     torch.manual_seed(0)
     model = GPT(cfg)
