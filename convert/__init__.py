@@ -305,8 +305,11 @@ class _Translator:
                 if ratio != 1 and (which != "optimizer" or device != "cpu"):
                     raise ConfigError(f"DeepSpeed key {path}.ratio = {_show(v)}: a partial offload needs "
                                       f"offload_optimizer on the cpu; remove it", key=f"{path}.ratio")
-                if ratio != 1:
-                    self.put(f"{target}.gpu_step_ratio", f"{path}.ratio", 1.0 - float(ratio))
+                if not 0 <= float(ratio) <= 1:
+                    raise ConfigError(f"DeepSpeed key {path}.ratio = {_show(v)}: the share of the optimizer "
+                                      f"states offloaded is between 0 and 1", key=f"{path}.ratio")
+                if ratio != 1:      # the rest stays on the GPU, stepped there
+                    self.put(f"{target}.gpu_resident_ratio", f"{path}.ratio", 1.0 - float(ratio))
                 continue
             rule = rule_for(f"{path}.{k}")
             if rule.kind in (IGNORED, REFUSED):

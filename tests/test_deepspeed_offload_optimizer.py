@@ -91,3 +91,26 @@ def test_unfused_publish_uses_a_bounded_device_buffer(monkeypatch):
             assert torch.equal(u.shard[x:y], tier.masters[k][s:s + y - x].to(u.shard.dtype))
     staged = sum(t.numel() * t.element_size() for t in tier.staging)
     assert staged == 4 * 1000 < 2 * 4 * largest              # the old ring: 2 x 4 bytes x sub-group
+
+
+@pytest.mark.parametrize("ratio, resident", [(1.0, 0.0), (0.3, 0.7), (0.0, 1.0)])
+def test_offload_ratio_keeps_the_rest_on_the_gpu(ratio, resident):
+    """DeepSpeed's offload_optimizer.ratio is the share of the optimizer states offloaded; the
+    rest stays in GPU memory and is stepped there: the cpu tier's gpu_resident_ratio."""
+    ds = _ds("AdamW", stage=3)
+    ds["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    cfg = zeroplug.load_config(ds)
+    tier = cfg.slot("offload.optimizer")
+    assert tier.name == "cpu" and tier.options.gpu_resident_ratio == pytest.approx(resident)
+
+
+@pytest.mark.parametrize("offload, ratio, says", [
+    ("cpu", 1.5, "between 0 and 1"),
+    ("nvme", 0.5, "a partial offload needs offload_optimizer on the cpu"),
+])
+def test_offload_ratio_bad_values(offload, ratio, says):
+    ds = _ds("AdamW", offload=offload, stage=3)
+    ds["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    with pytest.raises(zeroplug.ConfigError, match=says) as e:
+        zeroplug.load_config(ds)
+    assert "zero_optimization.offload_optimizer.ratio" in str(e.value)

@@ -34,8 +34,6 @@ class NoOffload(OffloadTier):
 @dataclass(frozen=True)
 class CPUOptions:
     pin_memory: bool = opt(True, "Page-locked host buffers: faster copies, memory others cannot use.")
-    ratio: float = opt(1.0, "Fraction of the optimizer state to offload (only 1.0 is supported; see "
-                            "gpu_step_ratio for putting the GPU to work on the step).", min=1.0, max=1.0)
     gpu_step_ratio: float | Literal["auto"] = opt(
         "auto", "Share of the offloaded optimizer step (in elements) that the GPU computes while the CPU "
                 "steps the rest: those sub-groups' states stay in host memory and are streamed H2D, stepped "
@@ -46,11 +44,11 @@ class CPUOptions:
         min=0.0, max=1.0)
     gpu_resident_ratio: float = opt(
         0.0, "Share of the optimizer step (in elements) whose fp32 master and Adam moments stay in GPU memory "
-             "(allocated at the first step, 12 bytes per element): torch's fused AdamW steps them there, only "
+             "(allocated in initialize, 12 bytes per element): torch's fused AdamW steps them there, only "
              "the gradient comes H2D and only the model-dtype copy goes out, so they cost no host memory "
-             "traffic for the states. DeepSpeed's ZeRO-Offload++ `ratio` keeps 1 - ratio on the GPU the same "
-             "way. gpu_step_ratio then shares out the other sub-groups. Checkpoints and offload_states copy "
-             "these states to the host and back. Needs a CUDA device, cpu_adam and pin_memory; not with "
+             "traffic for the states. DeepSpeed's offload_optimizer `ratio` (the share offloaded) becomes "
+             "1 - ratio here. gpu_step_ratio then shares out the other sub-groups. Checkpoints and "
+             "offload_states copy these states to the host and back. Needs a CUDA device, cpu_adam and pin_memory; not with "
              "delayed_update. 0 = every state in host memory.",
         min=0.0, max=1.0)
     gpu_step_chunk: int = opt(1 << 23, "Elements per H2D/D2H chunk of the GPU step; three chunk buffers "
