@@ -58,3 +58,19 @@ def test_nvme_tier_creates_states_as_sub_groups_come_in(tmp_path):
     engine = zeroplug.initialize(ToyNet(), cfg)
     assert _moments(engine) == []
     engine.close()
+
+
+def test_host_ring_for_device_shards_is_allocated_in_initialize(monkeypatch):
+    """Where the model-dtype shards live on the GPU (stages 1-2), cpu_adam writes their new
+    values into a host ring that the uploads read; ``prepare`` allocates (and page-locks) it,
+    not the first step. The device check is forced here: this machine has no GPU."""
+    from zeroplug.plugins.offload_cpu.host import HostTier
+    monkeypatch.setattr(HostTier, "lp_on_device", lambda self, a, b: True)
+    torch.manual_seed(0)
+    cfg = {"zero": {"plugin": "stage2", "sub_group_size": 4096}, "optimizer": {"plugin": "cpu_adam"},
+           "offload": {"optimizer": {"plugin": "cpu"}}, "monitor": {"plugin": "none"}}
+    engine = zeroplug.initialize(ToyNet(), cfg)
+    tier = engine.offload_optimizer
+    largest = max(b - a for a, b in tier.ranges)
+    assert [(t.numel(), t.dtype) for t in tier.host_staging] == [(largest, tier.layout.param_dtype)] * 2
+    engine.close()

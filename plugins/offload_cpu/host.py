@@ -180,17 +180,24 @@ class HostTier(OffloadTier):
         """Decide the GPU lane and allocate every optimizer state inside ``initialize``.
 
         Note: created lazily, Adam's moments (8 bytes per element: 11 GB for 1.3B, the
-        lane's share page-locked) made the first step several times slower than the next."""
+        lane's share page-locked) made the first step several times slower than the next.
+        The host ring the fused step writes the model-dtype copy into is allocated here too."""
         if self.kind != "optimizer" or self._lane_decided:
             return
         self._lane_decided = True
-        self.make_lane(optimizer, self.ranges, hasattr(optimizer, "step_group") and self.layout.shards_in_memory)
+        fused = hasattr(optimizer, "step_group") and self.layout.shards_in_memory
+        self.make_lane(optimizer, self.ranges, fused)
+        on_host = [k for k in range(len(self.ranges)) if k not in self.lane_groups]
         for k in range(len(self.ranges)):
             if k in self.lane_groups:
                 for p in optimizer.param_groups[k]["params"]:
                     self.lane.states(optimizer.state, p)
             else:
                 init_group_states(optimizer, k)
+        # Note: page-locking the ring (2 x the largest sub-group: 4 GB at DeepSpeed's
+        # sub_group_size 1e9) touches every page; in the first step that took 2 s of a 0.3 s step.
+        if fused and any(self.lp_on_device(*self.ranges[k]) for k in on_host):
+            self._host_ring()
 
     def step(self, optimizer) -> None:
         groups = optimizer.param_groups
@@ -321,13 +328,19 @@ class HostTier(OffloadTier):
         slices), or the staging buffer its upload reads (a tensor)."""
         if not self.lp_on_device(a, b):
             return [u.shard[x:y] for u, x, y, _ in self.pieces(a, b)]
-        size = max(hi - lo for lo, hi in self.ranges)
-        while len(self.host_staging) < 2:
-            self.host_staging.append(self.empty(size, self.layout.param_dtype))
+        self._host_ring()
         prev = self.events.pop(("staging", k % 2), None)
         if prev is not None:
             prev.synchronize()       # the upload of sub-group k - 2 read this buffer
         return self.host_staging[k % 2][:b - a]
+
+    def _host_ring(self) -> list[torch.Tensor]:
+        """The two host model-dtype buffers that a fused step writes and the uploads read, each
+        the size of the largest sub-group (allocated by ``prepare``)."""
+        size = max(hi - lo for lo, hi in self.ranges)
+        while len(self.host_staging) < 2:
+            self.host_staging.append(self.empty(size, self.layout.param_dtype))
+        return self.host_staging
 
     def _upload(self, src: torch.Tensor, a: int, b: int, k: int) -> None:
         with torch.cuda.stream(self.h2d):
