@@ -221,18 +221,21 @@ def remember_isa_checks(path: str) -> None:
     except (OSError, ValueError, TypeError):
         known = {}
 
+    lock = threading.Lock()
+
     def check_build(isa, code: str) -> bool:
         key = f"{type(isa).__name__} {getattr(isa, '_arch_flags', '')} {hashlib.sha256(code.encode()).hexdigest()[:16]}"
-        if key not in known:
-            known[key] = bool(check(isa, code))
-            try:
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(known, f, indent=1)
-                os.replace(tmp, path)
-            except OSError:
-                pass            # unwritable: the next process checks again
-        return known[key]
+        with lock:      # compiles on several threads must not write the file while it changes
+            if key not in known:
+                known[key] = bool(check(isa, code))
+                try:
+                    tmp = f"{path}.{os.getpid()}.tmp"
+                    with open(tmp, "w") as f:
+                        json.dump(known, f, indent=1)
+                    os.replace(tmp, path)
+                except OSError:
+                    pass            # unwritable: the next process checks again
+            return known[key]
 
     check_build.remembered_in = path
     check_build.checks_for_real = check
