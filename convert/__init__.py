@@ -124,6 +124,18 @@ def _get(raw: dict, path: str, default=None):
     return node
 
 
+def _share(path: str, v) -> float:
+    """A number in [0, 1] (a numeric string too, as DeepSpeed's pydantic reads it)."""
+    try:
+        x = float(v) if not isinstance(v, bool) else None
+    except (TypeError, ValueError):
+        x = None
+    if x is None or not 0 <= x <= 1:
+        raise ConfigError(f"DeepSpeed key {path} = {_show(v)}: the share of the optimizer states offloaded "
+                          f"is a number between 0 and 1", key=path)
+    return x
+
+
 class _Translator:
     def __init__(self):
         self.raw = DeepSpeedRaw()
@@ -301,15 +313,12 @@ class _Translator:
             if k == "device" or (k in _NVME_ONLY and device != "nvme"):
                 continue
             if k == "ratio":
-                ratio = self.value(f"{path}.ratio", v)
+                ratio = _share(f"{path}.ratio", v)
                 if ratio != 1 and (which != "optimizer" or device != "cpu"):
                     raise ConfigError(f"DeepSpeed key {path}.ratio = {_show(v)}: a partial offload needs "
                                       f"offload_optimizer on the cpu; remove it", key=f"{path}.ratio")
-                if not 0 <= float(ratio) <= 1:
-                    raise ConfigError(f"DeepSpeed key {path}.ratio = {_show(v)}: the share of the optimizer "
-                                      f"states offloaded is between 0 and 1", key=f"{path}.ratio")
                 if ratio != 1:      # the rest stays on the GPU, stepped there
-                    self.put(f"{target}.gpu_resident_ratio", f"{path}.ratio", 1.0 - float(ratio))
+                    self.put(f"{target}.gpu_resident_ratio", f"{path}.ratio", 1.0 - ratio)
                 continue
             rule = rule_for(f"{path}.{k}")
             if rule.kind in (IGNORED, REFUSED):

@@ -106,6 +106,8 @@ def test_offload_ratio_keeps_the_rest_on_the_gpu(ratio, resident):
 
 @pytest.mark.parametrize("offload, ratio, says", [
     ("cpu", 1.5, "between 0 and 1"),
+    ("cpu", "auto", "between 0 and 1"),
+    ("cpu", None, "between 0 and 1"),
     ("nvme", 0.5, "a partial offload needs offload_optimizer on the cpu"),
 ])
 def test_offload_ratio_bad_values(offload, ratio, says):

@@ -48,8 +48,8 @@ class CPUOptions:
              "the gradient comes H2D and only the model-dtype copy goes out, so they cost no host memory "
              "traffic for the states. DeepSpeed's offload_optimizer `ratio` (the share offloaded) becomes "
              "1 - ratio here. gpu_step_ratio then shares out the other sub-groups. Checkpoints and "
-             "offload_states copy these states to the host and back. Needs a CUDA device, cpu_adam and pin_memory; not with "
-             "delayed_update. 0 = every state in host memory.",
+             "offload_states copy these states to the host and back. Needs a CUDA device, cpu_adam and "
+             "pin_memory; not with delayed_update. 0 = every state in host memory.",
         min=0.0, max=1.0)
     gpu_step_chunk: int = opt(1 << 23, "Elements per H2D/D2H chunk of the GPU step; three chunk buffers "
                                        "(18-20 bytes per element: 0.5 GB by default) live on the GPU.",

@@ -224,7 +224,8 @@ def remember_isa_checks(path: str) -> None:
     lock = threading.Lock()
 
     def check_build(isa, code: str) -> bool:
-        key = f"{type(isa).__name__} {getattr(isa, '_arch_flags', '')} {hashlib.sha256(code.encode()).hexdigest()[:16]}"
+        digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+        key = f"{type(isa).__name__} {getattr(isa, '_arch_flags', '')} {digest}"
         with lock:      # compiles on several threads must not write the file while it changes
             if key not in known:
                 known[key] = bool(check(isa, code))

@@ -7,9 +7,10 @@ A later process still traces the function (about a second) but loads the kernel 
 running the C++ compiler. Before inductor builds or loads a CPU kernel it checks which
 vector ISAs the machine can use, 10-20 s per check in every process; the warm-up keeps
 those answers in ``vector_isa_checks.json`` beside the cache, so they too are found once
-per machine (:func:`.cpu_adam_kernels.remember_isa_checks`). Inductor's default directory is under ``/tmp``, which containers
-and reboots empty; zeroplug points it at ``~/.cache/zeroplug/torch-<version>/<cpu>/inductor``
-(``ZEROPLUG_CACHE_DIR`` moves the root; a ``TORCHINDUCTOR_CACHE_DIR`` already set is kept).
+per machine (:func:`.cpu_adam_kernels.remember_isa_checks`). Inductor's default directory
+is under ``/tmp``, which containers and reboots empty; zeroplug points it at
+``~/.cache/zeroplug/torch-<version>/<cpu>/inductor`` (``ZEROPLUG_CACHE_DIR`` moves the
+root; a ``TORCHINDUCTOR_CACHE_DIR`` already set is kept).
 The ``<cpu>`` part names the CPU model and its instruction-set flags, so a home directory
 shared by different machines never hands one a kernel built for another's vector unit.
 

@@ -66,7 +66,6 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
         x = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
         y = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
         torch.cuda.synchronize()
-        prof = first_step_profiler() if args.profile_first and i == 0 and rank == 0 else None
         t0 = time.perf_counter()
         loss = engine(x, y)
         t_fwd = sync_time(args.phases)
@@ -100,14 +99,6 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     return res
 
 
-def first_step_profiler():
-    """torch.profiler around the first step: where its extra time goes (host and device)."""
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                              torch.profiler.ProfilerActivity.CUDA])
-    prof.__enter__()
-    return prof
-
-
 def sync_time(sync: bool) -> float:
     if sync:
         torch.cuda.synchronize()
@@ -121,10 +112,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="steps per row (two warm-up steps + timed ones)")
     p.add_argument("--model", default="1.3B")
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--log", action="store_true", help="zeroplug's INFO lines (kernel warm-up, threads) and each step's time")
+    p.add_argument("--log", action="store_true",
+                   help="zeroplug's INFO lines (kernel warm-up, threads) and each step's time")
     p.add_argument("--phases", action="store_true",
                    help="synchronise after forward and backward and print each phase's time (slows the step)")
-    p.add_argument("--profile-first", action="store_true", help="torch.profiler table of the first step")
     p.add_argument("--trace-stalls", type=float, default=0.0, metavar="S",
                    help="print every thread's stack each S seconds while a step runs (finds what a slow step waits on)")
     args = p.parse_args()
