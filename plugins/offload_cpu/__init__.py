@@ -187,10 +187,10 @@ class CPUOffload(HostTier):
             why = "it needs pin_memory = true (asynchronous copies)"
         if why is not None:
             if self.run.rank == 0:
-                what = " and ".join(f"{name} = {value}" for name, value in (
-                    ("gpu_step_ratio", ratio), ("gpu_resident_ratio", self.options.gpu_resident_ratio))
-                    if value and (name == "gpu_step_ratio" or resident))
-                log.warning("[zeroplug] offload.optimizer.%s ignored: %s", what, why)
+                named = [f"gpu_step_ratio = {ratio}"] if ratio else []
+                if resident:
+                    named.append(f"gpu_resident_ratio = {self.options.gpu_resident_ratio}")
+                log.warning("[zeroplug] offload.optimizer.%s ignored: %s", " and ".join(named), why)
             self.resident_groups = set()      # never moved: the host states are current
             return
         sizes = [b - a for a, b in ranges]

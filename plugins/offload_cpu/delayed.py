@@ -112,16 +112,13 @@ class DelayedUpdate:
                     step_group(optimizer, k, grad_multiplier=mult)
                     lp_next[a:b].copy_(masters[k])
 
-        if tier._worker is None:
-            from concurrent.futures import ThreadPoolExecutor
-            tier._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
         done = threading.Event()
         done.set()
         tier._stepped = [done] * len(ranges)     # the shards are not written: no unit waits
         tier._uploaded = {}
         self.live = True
         self.steps += 1
-        tier._future = tier._worker.submit(run)
+        tier._future = tier.step_worker().submit(run)
 
     def released(self, unit: int) -> None:
         """The backward no longer reads ``unit``'s shard in this step (its reduced gradient
@@ -131,7 +128,7 @@ class DelayedUpdate:
         self.published.add(unit)
         a, b = self.tier.grad_at[unit]
         if b > a:
-            self.publishing.append(self.tier._worker.submit(self._publish, a, b))
+            self.publishing.append(self.tier.step_worker().submit(self._publish, a, b))
 
     def _publish(self, a: int, b: int) -> bool:
         """Master elements [a, b) of ``lp_next`` into their shards; True if it queued an upload."""

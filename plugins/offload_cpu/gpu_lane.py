@@ -25,8 +25,8 @@ cpu_adam), so a sub-group's values differ in the last bits between ratio 0 and >
 both follow torch.optim.AdamW within the tolerances of the offload tests.
 
 Resident sub-groups (``gpu_resident_ratio``): a share of the sub-groups keeps its fp32
-master and Adam moments in GPU memory for the tier's life (copied up once, at the first
-step). The lane steps them with the same kernel and the same chunks; only the gradient
+master and Adam moments in GPU memory for the tier's life (copied up once, inside
+``initialize``). The lane steps them with the same kernel and the same chunks; only the gradient
 goes H2D (from the host gradient buffer, in the model dtype where that is exact) and only
 the model-dtype copy goes out (D2H into host shards, or device to device into GPU shards).
 The host master and moments of such a sub-group are stale between steps: the tier's

@@ -85,12 +85,11 @@ class HostTier(OffloadTier):
         # fp32 master + gradient here, and Adam's two fp32 moments created beside them
         gdt = self.grad_dtype()
         gb = torch.finfo(gdt).bits // 8
-        extra = ""
-        if self.delayed_warmup() is not None:     # a second gradient buffer and the step's model-dtype copy
-            extra = f" + delayed update {gb + torch.finfo(layout.param_dtype).bits // 8}"
-        per = 12 + gb + (gb + torch.finfo(layout.param_dtype).bits // 8 if extra else 0)
-        self.check_memory(per * total, f"{total:,} fp32 master elements: master 4 + gradient {gb} + "
-                                       f"optimizer states 8{extra} bytes each")
+        # the delayed update: a second gradient buffer and the step's model-dtype copy
+        delayed = gb + torch.finfo(layout.param_dtype).bits // 8 if self.delayed_warmup() is not None else 0
+        extra = f" + delayed update {delayed}" if delayed else ""
+        self.check_memory((12 + gb + delayed) * total, f"{total:,} fp32 master elements: master 4 + gradient "
+                                                       f"{gb} + optimizer states 8{extra} bytes each")
         self.master_flat = self.empty(total, torch.float32)
         self.grad_flat = self.empty(total, gdt)
         self.grad_flat.zero_()
@@ -129,7 +128,7 @@ class HostTier(OffloadTier):
         self._stepped: list[threading.Event] = []  # set when sub-group k is stepped and published
         self._uploaded: dict[int, object] = {}     # k -> CUDA event of its H2D (device shards)
         self.overlapped_steps = 0                  # a statistic for tests and benchmarks
-        self.lane = None                           # the GPU lane (gpu_lane.py), made at the first step
+        self.lane = None                           # the GPU lane (gpu_lane.py), made by prepare
         self.lane_groups: set[int] = set()         # sub-groups it steps
         self._lane_decided = False
         self.delayed = DelayedUpdate(self) if self.delayed_warmup() is not None else None
@@ -249,9 +248,13 @@ class HostTier(OffloadTier):
             step_one(k)
 
     # -- the overlapped step ------------------------------------------------------------
-    def _start_overlapped(self, step_one, cpu_groups, lane) -> None:
+    def step_worker(self) -> ThreadPoolExecutor:
+        """The one thread that runs steps off the training loop (overlapped or delayed)."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
+        return self._worker
+
+    def _start_overlapped(self, step_one, cpu_groups, lane) -> None:
         self._stepped = [threading.Event() for _ in self.ranges]
         self._uploaded = {k: self.lane.events[k] for k in lane if k in self.lane.events}
         for k in lane:
@@ -266,7 +269,7 @@ class HostTier(OffloadTier):
                         self._uploaded[k] = ev
                 self._stepped[k].set()
 
-        self._future = self._worker.submit(run)
+        self._future = self.step_worker().submit(run)
         self.overlapped_steps += 1
 
     def _wait_host(self, k: int) -> None:
