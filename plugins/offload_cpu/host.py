@@ -194,7 +194,7 @@ class HostTier(OffloadTier):
             else:
                 init_group_states(optimizer, k)
         # Note: page-locking the ring (2 x the largest sub-group: 4 GB at DeepSpeed's
-        # sub_group_size 1e9) touches every page; in the first step that took 2 s of a 0.3 s step.
+        # sub_group_size 1e9) touches every page, which does not belong in a training step.
         if fused and any(self.lp_on_device(*self.ranges[k]) for k in on_host):
             self._host_ring()
 
