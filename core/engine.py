@@ -71,9 +71,10 @@ class Engine:
         self.offload_optimizer = build("offload.optimizer", "optimizer")
         self.offload_param = build("offload.param", "param")
         self.partitioner = build("zero")
+        factory = build("optimizer")
+        factory.begin(self.offload_optimizer.device)
         self.partitioner.setup(model, self.precision, self.offload_optimizer, self.offload_param,
                                groups=groups)
-        factory = build("optimizer")
         self.optimizer = factory.build(self.partitioner.optimizer_params(), self.offload_optimizer.device)
         self.partitioner.optimizer_built(self.optimizer)
         # a group's own lr follows the schedule in proportion (as torch's LR schedulers do)
@@ -103,6 +104,7 @@ class Engine:
         self.metrics = StepMetrics(self.run.device)
         self.phase_clock = self.metrics.clock     # phase_* metrics on reported steps
         self._set_lr(self.scheduler.lr_at(0))
+        factory.ready()
         self.hook.zeroplug_engine_created(engine=self)
 
     # -- the training step -------------------------------------------------------

@@ -90,11 +90,20 @@ class OptimizerFactory:
     def lr(self) -> float:
         return self.options.lr
 
+    def begin(self, state_device: torch.device) -> None:
+        """Called first in ``initialize``, before the stage allocates anything: start one-time
+        work that needs no parameters (cpu_adam: its kernel's toolchain and cache, on a
+        background thread), so that it overlaps the stage's setup."""
+
     def build(self, params: list[torch.Tensor], device: torch.device) -> torch.optim.Optimizer:
         """The optimizer over ``params`` (tensors or param-group dicts). With offloaded states
         there is one param group per sub-group, stepped one at a time through
         :func:`zeroplug.tiers.step_group`; an optimizer may declare ``step_group`` for it."""
         raise NotImplementedError
+
+    def ready(self) -> None:
+        """Called last in ``initialize``: finish what the first step would otherwise wait
+        for (cpu_adam: loading its kernel), so that no training step pays for it."""
 
     @classmethod
     def grad_dtypes(cls, options, run: RunContext, state_device: torch.device) -> tuple[torch.dtype, ...]:

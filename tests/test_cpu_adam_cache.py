@@ -137,3 +137,78 @@ def test_step_waits_for_the_warm_up(monkeypatch):
     gate.set()
     assert done.wait(10)
     assert opt.kernel_variants([torch.bfloat16], torch.bfloat16) == []     # eager: nothing to build
+
+
+def test_eager_while_a_first_build_runs(monkeypatch):
+    """``while_building = "eager"``: a step neither waits nor builds while the warm-up builds;
+    once it is done, the compiled kernel is used."""
+    import threading
+    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    gate = threading.Event()
+    ck._COMPILED.warming = gate
+    ck._COMPILED.eager_while_warming = True
+    built = []
+    monkeypatch.setattr(ck._COMPILED, "_build",
+                        lambda key, strict, threads: (built.append(key), ck._COMPILED.ok.__setitem__(key, False)))
+    key = (True, torch.bfloat16, torch.bfloat16)
+    assert ck._COMPILED.get(key, False, 1) is None and built == []      # eager now, nothing built
+    gate.set()
+    ck._COMPILED.get(key, False, 1)
+    assert built == [key]           # the warm-up is over: the kernel is taken (here: built)
+
+
+# The end of initialize in a fresh process: finish() on a cache that has (or has not) built
+# the variant; prints whether the warm-up was done when finish() returned.
+FINISH = r"""
+import json, torch
+from zeroplug.plugins.optim import cpu_adam_kernels as ck
+from zeroplug.plugins.optim.cpu_adam import CPUAdam
+from zeroplug.plugins.optim.cpu_adam_warmup import WarmUp
+w = WarmUp(announce=False).start()        # before the optimizer exists, as in initialize
+p = torch.zeros((1 << 17) + 7)
+opt = CPUAdam([p], lr=1e-3, threads=1)
+w.build(opt, opt.kernel_variants([torch.bfloat16], torch.bfloat16), (1,))
+w.finish(eager_while_building=True)
+print(json.dumps({"done": w.done.is_set(), "eager": ck._COMPILED.eager_while_warming}))
+w.wait()
+print(json.dumps({"error": w.error, "result": list(w.stats.get("result", {}).values())}))
+"""
+
+
+def test_initialize_waits_only_for_a_kernel_built_before(tmp_path):
+    """First run on a machine: finish() returns while the kernel builds (eager meanwhile);
+    the next process finds the variant recorded and waits for it to load."""
+    if ck.compiler_missing():
+        pytest.skip("no C++ compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["ZEROPLUG_CACHE_DIR"] = str(tmp_path)
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", FINISH], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs.append([json.loads(line) for line in p.stdout.strip().splitlines()[-2:]])
+    (first, first_end), (second, second_end) = runs
+    assert first_end == second_end == {"error": None, "result": ["compile"]}
+    assert first == {"done": False, "eager": True}
+    assert second == {"done": True, "eager": False}
+    with open(os.path.join(cache_root(env), "inductor", "cpu_adam_variants.json")) as f:
+        assert json.load(f) == ["adamw grad=torch.bfloat16 lp=torch.bfloat16 threads=1"]
+
+
+def test_engine_starts_the_warm_up_before_the_stage_allocates(monkeypatch):
+    """initialize begins the warm-up before the offload tier plans (allocates, pins), and on a
+    CPU-only run ("auto" = wait) returns with it done: no step waits."""
+    import zeroplug
+    from zeroplug.plugins.offload_cpu.host import HostTier
+    from zeroplug.plugins.optim import cpu_adam_warmup as cw
+    order = []
+    real_start, real_plan = cw.WarmUp.start, HostTier.plan
+    monkeypatch.setattr(cw.WarmUp, "start", lambda self: (order.append("warm-up"), real_start(self))[1])
+    monkeypatch.setattr(HostTier, "plan", lambda self, layout: (order.append("plan"), real_plan(self, layout))[1])
+    engine = zeroplug.initialize(torch.nn.Linear(64, 64), {
+        "zero": {"plugin": "stage2"}, "optimizer": {"plugin": "cpu_adam"},
+        "offload": {"optimizer": {"plugin": "cpu"}}, "monitor": {"plugin": "none"}})
+    assert order[:2] == ["warm-up", "plan"]
+    assert ck._COMPILED.warming is None or ck._COMPILED.warming.is_set()
+    assert not ck._COMPILED.eager_while_warming
+    engine.close()

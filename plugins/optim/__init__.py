@@ -71,6 +71,12 @@ class CPUAdamOptions(AdamBaseOptions):
                           "cores this rank may use (CPU affinity and cgroup quota, divided among the ranks of the "
                           "host, LOCAL_WORLD_SIZE), whatever OMP_NUM_THREADS says; more than that is clamped, "
                           "with a warning.", min=0)
+    while_building: Literal["auto", "eager", "wait"] = opt(
+        "auto", "What steps do while the compiled kernel is still being built (the first run on a machine; "
+                "later runs load it from the kernel cache during initialize): \"eager\" steps with the eager "
+                "kernel (the same update, rounded differently in the last bits) until it is ready; \"wait\" "
+                "makes initialize wait for it (bitwise reproducible); \"auto\" = eager when training on a "
+                "GPU, wait on a CPU-only run (where the build and the steps share the cores).")
 
     def validate(self, path: str) -> None:
         if self.amsgrad:
@@ -87,6 +93,12 @@ class CPUAdam(OptimizerFactory):
     def grad_dtypes(cls, options, run, state_device):
         return (torch.float32, torch.bfloat16, torch.float16)    # widened inside its one pass
 
+    warm_up = None
+
+    def begin(self, state_device):
+        from .cpu_adam_warmup import WarmUp
+        self.warm_up = WarmUp(announce=self.run.rank == 0).start()
+
     def build(self, params, device):
         from .cpu_adam import CPUAdam as Impl
         from .cpu_cores import apply_threads
@@ -95,32 +107,40 @@ class CPUAdam(OptimizerFactory):
         threads = apply_threads(o.threads, first, log).threads
         optimizer = Impl(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                          adamw_mode=o.adamw_mode, bias_correction=o.bias_correction, threads=threads)
-        self.warm_up = start_warm_up(optimizer, self.run, threads, first)
+        if self.warm_up is None:        # built outside initialize
+            self.begin(device)
+        self.warm_up.build(optimizer, *warm_up_variants(optimizer, self.run, threads))
         return optimizer
 
+    def ready(self):
+        mode = self.options.while_building
+        if mode == "auto":
+            mode = "wait" if self.run.device.type == "cpu" else "eager"
+        if self.warm_up is not None:
+            self.warm_up.finish(eager_while_building=mode == "eager")
 
-def start_warm_up(optimizer, run, threads: int, announce: bool):
-    """Build the kernel variants the steps will call, on a background thread (cpu_adam_warmup).
+
+def warm_up_variants(optimizer, run, threads: int) -> tuple[list, tuple]:
+    """The kernel variants the steps will call, and their thread counts.
 
     Note: an offload tier allocates the masters' gradient buffers when it plans, so their
     dtype is the one its steps pass; it then writes the model-dtype copy in the same pass
     (lp = the precision's param_dtype, the slot's declared attribute). Masters without a
     gradient buffer are stepped by ``optimizer.step()``: fp32 gradients, no copy. Thread
     counts: the serial step's, and the overlapped step's (one core left to the loop)."""
-    from .cpu_adam_warmup import WarmUp
     grads = [p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if grads:
         lp = getattr(run.config.slot("precision").impl, "param_dtype", torch.float32)
     else:
         grads, lp = [torch.float32], None
-    keys = optimizer.kernel_variants(grads, lp)
     counts = (threads, threads - 1) if threads > 1 else (threads,)
-    return WarmUp(optimizer, keys, counts, announce=announce).start()
+    return optimizer.kernel_variants(grads, lp), counts
 
 
 class AutoOptimizer(OptimizerFactory):
     """cpu_adam when the optimizer states are offloaded to the CPU, else adamw."""
     Options = CPUAdamOptions
+    cpu_adam: CPUAdam | None = None
 
     @classmethod
     def grad_dtypes(cls, options, run, state_device):
@@ -128,12 +148,25 @@ class AutoOptimizer(OptimizerFactory):
             return CPUAdam.grad_dtypes(options, run, state_device)
         return (torch.float32,)
 
+    def _on_cpu(self, state_device) -> bool:
+        return state_device.type == "cpu" and self.run.device.type != "cpu"
+
+    def begin(self, state_device):
+        self.cpu_adam = CPUAdam(self.options, self.run) if self._on_cpu(state_device) else None
+        if self.cpu_adam is not None:
+            self.cpu_adam.begin(state_device)
+
     def build(self, params, device):
         o = self.options
-        if device.type == "cpu" and self.run.device.type != "cpu":
-            return CPUAdam(o, self.run).build(params, device)
+        if self._on_cpu(device):
+            self.cpu_adam = self.cpu_adam or CPUAdam(o, self.run)
+            return self.cpu_adam.build(params, device)
         return AdamW(AdamOptions(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay),
                      self.run).build(params, device)
+
+    def ready(self):
+        if self.cpu_adam is not None:
+            self.cpu_adam.ready()
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,14 @@ class _Compiled:
         # a background warm-up (cpu_adam_warmup.py): steps wait for it rather than compiling
         self.warming: threading.Event | None = None
         self.warm_up_threads: set[int] = set()
+        # while a first build runs: steps take the eager kernel instead of waiting (cpu_adam's
+        # ``while_building``)
+        self.eager_while_warming = False
+
+    def building(self) -> bool:
+        """Whether a background warm-up (on another thread) is still running."""
+        ev = self.warming
+        return ev is not None and not ev.is_set() and threading.get_ident() not in self.warm_up_threads
 
     def wait_warm_up(self) -> None:
         ev = self.warming
@@ -137,6 +145,8 @@ class _Compiled:
         """key = (adamw, grad dtype, lp dtype or None); ``threads``: OpenMP threads of the
         kernel (None: torch.get_num_threads() when it is compiled)."""
         if (key, threads) not in self.ready and self.ok.get(key) is not False:
+            if self.eager_while_warming and not strict and self.building():
+                return None
             self.wait_warm_up()
             with self.lock:
                 if (key, threads) not in self.ready and self.ok.get(key) is not False:

@@ -14,14 +14,22 @@ root; a ``TORCHINDUCTOR_CACHE_DIR`` already set is kept).
 The ``<cpu>`` part names the CPU model and its instruction-set flags, so a home directory
 shared by different machines never hands one a kernel built for another's vector unit.
 
-The warm-up runs on a background thread started when the optimizer is built (inside
-``initialize``): the model's setup goes on meanwhile, and the first step waits for it
-rather than compiling. On a host with several ranks, one builds while the others wait on
-a file lock in the cache directory, then load what it built.
+The warm-up runs on a background thread started first thing in ``initialize``: it points
+inductor at the cache, takes the build lock, recalls the ISA answers and imports the
+compiler's modules while the stage allocates and pins the states; the kernel variants
+follow as soon as the optimizer exists. At the end of ``initialize`` a machine that built
+these variants before (``cpu_adam_variants.json`` in the cache lists them) waits for them to
+load, so that no training step pays for any of it: no wait, and no Python work on a
+background thread competing with the training loop for the interpreter (the first steps
+ran 3-8x slower while the warm-up ran beside them). On the first run on a machine the
+build takes a minute or more; the steps then use the eager kernel until it is ready
+(``while_building``), or wait for it. On a host with several ranks, one builds while the
+others wait on a file lock in the cache directory, then load what it built.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -40,6 +48,7 @@ log = logging.getLogger("zeroplug")
 CACHE_ENV = "ZEROPLUG_CACHE_DIR"
 LOCK_NAME = "cpu_adam.lock"
 ISA_FILE = "vector_isa_checks.json"
+VARIANTS_FILE = "cpu_adam_variants.json"
 
 
 def cpu_tag() -> str:
@@ -119,21 +128,37 @@ def _cache_counters() -> dict:
 
 
 class WarmUp:
-    """Builds an optimizer's kernel variants on a background thread (see the module doc)."""
+    """Builds an optimizer's kernel variants on a background thread (see the module doc).
 
-    def __init__(self, optimizer, keys, thread_counts, announce: bool = True):
-        self.optimizer, self.keys, self.thread_counts = optimizer, list(keys), tuple(thread_counts)
+    ``start()`` begins the work that needs no optimizer; ``build(optimizer, keys, counts)``
+    names the variants (or pass them to the constructor); ``finish()`` ends ``initialize``."""
+
+    def __init__(self, optimizer=None, keys=(), thread_counts=(None,), announce: bool = True):
         self.announce = announce
         self.done = threading.Event()
         self.stats: dict = {}
         self.error: str | None = None
+        self.cache_dir: str | None = None
+        self.built_before: set[str] = set()      # variants this machine's cache holds already
+        self._located = threading.Event()        # cache_dir and built_before are known
+        self._named = threading.Event()          # the variants are known
         self._thread: threading.Thread | None = None
+        self.optimizer, self.keys, self.thread_counts = None, [], ()
+        if optimizer is not None:
+            self.build(optimizer, keys, thread_counts)
+
+    def build(self, optimizer, keys, thread_counts) -> None:
+        """The variants to build (``keys`` x ``thread_counts``) for ``optimizer``."""
+        self.optimizer, self.keys, self.thread_counts = optimizer, list(keys), tuple(thread_counts)
+        if self.keys:
+            kernels._COMPILED.warming = self.done      # a step waits for these, never builds beside them
+        self._named.set()
+
+    def variants(self) -> list[str]:
+        return [f"{kernels._key_str(k)} threads={t}" for k in self.keys for t in self.thread_counts]
 
     def start(self) -> "WarmUp":
-        if not self.keys:
-            self.done.set()
-            return self
-        kernels._COMPILED.warming = self.done
+        kernels._COMPILED.eager_while_warming = False
         # Note: a daemon: a process that ends before the build is done (a short script, a
         # test) must not hang or fail at exit; inductor writes its cache entries atomically,
         # so an interrupted build leaves nothing half-written.
@@ -144,21 +169,52 @@ class WarmUp:
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
 
+    def finish(self, eager_while_building: bool) -> None:
+        """The end of ``initialize``: wait for variants this machine built before (they load in
+        seconds, mostly while the states were allocated); for a first build, let the steps use
+        the eager kernel meanwhile, or wait for it too."""
+        self._located.wait()
+        if self.done.is_set() or not self.keys:
+            return
+        cached = set(self.variants()) <= self.built_before
+        if not cached and eager_while_building:
+            kernels._COMPILED.eager_while_warming = True
+            if self.announce:
+                log.info("[zeroplug] cpu_adam: building the compiled kernel in the background (the first run on "
+                         "this machine, about a minute); until it is ready the steps use the eager kernel")
+            return
+        t0 = time.perf_counter()
+        self.done.wait()
+        if self.announce and time.perf_counter() - t0 > 1.0:
+            log.info("[zeroplug] cpu_adam: initialize waited %.1f s for the kernel (%s)", time.perf_counter() - t0,
+                     "loaded from the cache" if cached else "built: the first run on this machine")
+
     def _run(self) -> None:
         me = threading.get_ident()
         kernels._COMPILED.warm_up_threads.add(me)
         t0 = time.perf_counter()
-        before = _cache_counters()
         lock = None
         try:
-            lock_dir, warning = use_cache_dir()
+            try:
+                self.cache_dir, warning = use_cache_dir()
+                self.built_before = _read_variants(os.path.join(self.cache_dir, VARIANTS_FILE))
+            finally:
+                self._located.set()
             if warning and self.announce:
                 log.warning("[zeroplug] %s", warning)
-            lock, waited = _lock(os.path.join(lock_dir, LOCK_NAME), self.announce)
+            _import_compiler()
+            self._named.wait()      # (forever if initialize fails first: an idle daemon thread)
+            if not self.keys:
+                return
+            lock, waited = _lock(os.path.join(self.cache_dir, LOCK_NAME), self.announce)
             t1 = time.perf_counter()
-            kernels.remember_isa_checks(os.path.join(lock_dir, ISA_FILE))
+            # (read under the lock: a rank that waited finds the answers of the one that built)
+            kernels.remember_isa_checks(os.path.join(self.cache_dir, ISA_FILE))
+            before = _cache_counters()
             result = self.optimizer.warm_up(self.keys, self.thread_counts)
             after = _cache_counters()
+            if all(v == "compile" for v in result.values()):
+                _add_variants(os.path.join(self.cache_dir, VARIANTS_FILE), self.variants())
             self.stats = {"seconds": time.perf_counter() - t0, "build_seconds": time.perf_counter() - t1,
                           "waited_seconds": waited, "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
                           "cache_hits": after.get("hit", 0) - before.get("hit", 0),
@@ -177,6 +233,36 @@ class WarmUp:
                 lock.release()
             kernels._COMPILED.warm_up_threads.discard(me)
             self.done.set()
+
+
+def _import_compiler() -> None:
+    """Import what building or loading a kernel needs (seconds of module imports), before the
+    variants are known."""
+    try:
+        import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+    except Exception:      # another torch layout: the build imports what it needs
+        pass
+
+
+def _read_variants(path: str) -> set[str]:
+    try:
+        with open(path) as f:
+            return set(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def _add_variants(path: str, names: list[str]) -> None:
+    """Record ``names`` as built on this machine (atomic; an unwritable cache is not an error)."""
+    known = _read_variants(path) | set(names)
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(sorted(known), f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _lock(path: str, announce: bool):
