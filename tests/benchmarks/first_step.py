@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 import threading
 import time
@@ -82,7 +81,7 @@ class Sampler(threading.Thread):
                     print(f"    {s:6.2f}  {stack}")
 
 
-def build(system: str, model_name: str, device):
+def build(system: str, model_name: str, device, ds_set=()):
     from zeroplug.benchmarking.measure import make_runner
     from zeroplug.workload.models import GPT, get_preset
     mcfg = get_preset(model_name, activation_checkpointing=True)
@@ -99,6 +98,13 @@ def build(system: str, model_name: str, device):
         return make_runner(model, batch, system, device)
     if system in JSON_ROWS:
         config = json.loads((CONFIGS / JSON_ROWS[system]).read_text())
+        for item in ds_set:         # KEY=VALUE, KEY dotted into the JSON, VALUE as JSON
+            key, _, value = item.partition("=")
+            *path, last = key.split(".")
+            node = config
+            for k in path:
+                node = node.setdefault(k, {})
+            node[last] = json.loads(value)
     else:
         config = {"zero": {"plugin": system}, "precision": {"plugin": "bf16"},
                   "optimizer": {"plugin": "adamw", "lr": 1e-4}, "scheduler": {"plugin": "none"},
@@ -114,6 +120,8 @@ def main() -> None:
     ap.add_argument("--sample", default="1,2,last", help="steps to sample (1-based; 'last')")
     ap.add_argument("--interval", type=float, default=0.002)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE",
+                    help="with a JSON row: set a DeepSpeed key (dotted), e.g. zero_optimization.sub_group_size=1e8")
     ap.add_argument("--log", action="store_true", help="zeroplug's INFO lines (kernel warm-up, threads)")
     args = ap.parse_args()
     if args.log:
@@ -124,7 +132,7 @@ def main() -> None:
     t0 = time.perf_counter()
     sampler = Sampler(args.interval)
     sampler.start()
-    runner = build(args.system, args.model, device)
+    runner = build(args.system, args.model, device, args.ds)
     sampler.report(f"{args.system}: build + initialize", args.top)
     init_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -156,13 +164,10 @@ def main() -> None:
         if sampler:
             sampler.report(f"{args.system}: step {i}", args.top)
     steady = sorted(times[2:])[len(times[2:]) // 2] if len(times) > 2 else times[-1]
-    res = {"system": args.system, "model": args.model, "init_s": init_s, "times": times,
+    res = {"system": args.system, "ds": args.ds, "model": args.model, "init_s": init_s, "times": times,
+           "tokens_per_s": 8 * 1024 / steady,
            "first_over_steady": times[0] / steady, "second_over_steady": times[1] / steady if len(times) > 1 else None}
     print("RESULT " + json.dumps(res), flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, f"first_step_{args.system}.json"), "w") as f:
-            json.dump(res, f)
     runner.close()
 
 
