@@ -149,6 +149,8 @@ def measure(model_name: str, config, device, steps: int, warmup: int) -> dict:
             import torch.distributed as dist
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out["peak_gib"] = peak.item() / GiB
+        from zeroplug.benchmarking.measure import peak_host_bytes
+        out["peak_host_rss_gib"] = peak_host_bytes() / GiB      # since the process started
         release(device)
     return out
 
