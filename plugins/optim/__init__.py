@@ -73,7 +73,8 @@ class CPUAdamOptions(AdamBaseOptions):
                           "with a warning.", min=0)
     while_building: Literal["auto", "eager", "wait"] = opt(
         "auto", "What steps do while the compiled kernel is still being built (the first run on a machine; "
-                "later runs load it from the kernel cache during initialize): \"eager\" steps with the eager "
+                "later runs load it from the kernel cache during initialize): \"eager\" builds it in a "
+                "background process (which finishes it even if the run ends first) and steps with the eager "
                 "kernel (the same update, rounded differently in the last bits) until it is ready; \"wait\" "
                 "makes initialize wait for it (bitwise reproducible); \"auto\" = eager when training on a "
                 "GPU, wait on a CPU-only run (where the build and the steps share the cores).")
@@ -97,7 +98,10 @@ class CPUAdam(OptimizerFactory):
 
     def begin(self, state_device):
         from .cpu_adam_warmup import WarmUp
-        self.warm_up = WarmUp(announce=self.run.rank == 0).start()
+        mode = self.options.while_building
+        if mode == "auto":
+            mode = "wait" if self.run.device.type == "cpu" else "eager"
+        self.warm_up = WarmUp(announce=self.run.rank == 0, eager_while_building=mode == "eager").start()
 
     def build(self, params, device):
         from .cpu_adam import CPUAdam as Impl
@@ -113,11 +117,8 @@ class CPUAdam(OptimizerFactory):
         return optimizer
 
     def ready(self):
-        mode = self.options.while_building
-        if mode == "auto":
-            mode = "wait" if self.run.device.type == "cpu" else "eager"
         if self.warm_up is not None:
-            self.warm_up.finish(eager_while_building=mode == "eager")
+            self.warm_up.finish()
 
 
 def warm_up_variants(optimizer, run, threads: int) -> tuple[list, tuple]:

@@ -33,6 +33,8 @@ import json
 import logging
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -49,6 +51,7 @@ CACHE_ENV = "ZEROPLUG_CACHE_DIR"
 LOCK_NAME = "cpu_adam.lock"
 ISA_FILE = "vector_isa_checks.json"
 VARIANTS_FILE = "cpu_adam_variants.json"
+BUILD_LOG = "cpu_adam_build.log"
 
 
 def cpu_tag() -> str:
@@ -131,17 +134,21 @@ class WarmUp:
     """Builds an optimizer's kernel variants on a background thread (see the module doc).
 
     ``start()`` begins the work that needs no optimizer; ``build(optimizer, keys, counts)``
-    names the variants (or pass them to the constructor); ``finish()`` ends ``initialize``."""
+    names the variants (or pass them to the constructor); ``finish()`` ends ``initialize``.
+    ``eager_while_building``: a first build runs in a child process that outlives this one
+    (the steps use the eager kernel meanwhile), and this process loads what it built."""
 
-    def __init__(self, optimizer=None, keys=(), thread_counts=(None,), announce: bool = True):
-        self.announce = announce
+    def __init__(self, optimizer=None, keys=(), thread_counts=(None,), announce: bool = True,
+                 eager_while_building: bool = False):
+        self.announce, self.eager_while_building = announce, eager_while_building
         self.done = threading.Event()
         self.stats: dict = {}
         self.error: str | None = None
         self.cache_dir: str | None = None
         self.built_before: set[str] = set()      # variants this machine's cache holds already
+        self.child: subprocess.Popen | None = None   # the first build, in a process of its own
         self._located = threading.Event()        # cache_dir and built_before are known
-        self._named = threading.Event()          # the variants are known
+        self._named = threading.Event()          # the variants (and the child, if any) are known
         self._thread: threading.Thread | None = None
         self.optimizer, self.keys, self.thread_counts = None, [], ()
         if optimizer is not None:
@@ -152,16 +159,28 @@ class WarmUp:
         self.optimizer, self.keys, self.thread_counts = optimizer, list(keys), tuple(thread_counts)
         if self.keys:
             kernels._COMPILED.warming = self.done      # a step waits for these, never builds beside them
+            if self.eager_while_building and self._located.wait(60) and not self.cached():
+                self.child = _build_in_child(self.keys, self.thread_counts, self.cache_dir)
+                kernels._COMPILED.eager_while_warming = self.child is not None
         self._named.set()
 
     def variants(self) -> list[str]:
         return [f"{kernels._key_str(k)} threads={t}" for k in self.keys for t in self.thread_counts]
 
+    def cached(self) -> bool:
+        """Whether this machine built every variant before (they load in seconds)."""
+        return set(self.variants()) <= self.built_before
+
     def start(self) -> "WarmUp":
         kernels._COMPILED.eager_while_warming = False
+        # Note: imported here, on the caller's thread: building the optimizer imports it too
+        # (torch.optim does, lazily), and two threads importing torch's compiler packages at
+        # once can meet a partly initialised module.
+        import torch._dynamo  # noqa: F401
         # Note: a daemon: a process that ends before the build is done (a short script, a
         # test) must not hang or fail at exit; inductor writes its cache entries atomically,
-        # so an interrupted build leaves nothing half-written.
+        # so an interrupted build leaves nothing half-written (and a first build with
+        # eager_while_building runs in a child process that finishes it regardless).
         self._thread = threading.Thread(target=self._run, name="zeroplug-cpu-adam-warmup", daemon=True)
         self._thread.start()
         return self
@@ -169,21 +188,19 @@ class WarmUp:
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
 
-    def finish(self, eager_while_building: bool) -> None:
-        """The end of ``initialize``: wait for variants this machine built before (they load in
-        seconds, mostly while the states were allocated); for a first build, let the steps use
-        the eager kernel meanwhile, or wait for it too."""
-        self._located.wait()
+    def finish(self) -> None:
+        """The end of ``initialize``: wait for the kernels to load (seconds, mostly while the
+        states were allocated), or to be built when no child process builds them."""
         if self.done.is_set() or not self.keys:
             return
-        cached = set(self.variants()) <= self.built_before
-        if not cached and eager_while_building:
-            kernels._COMPILED.eager_while_warming = True
+        if self.child is not None:
             if self.announce:
-                log.info("[zeroplug] cpu_adam: building the compiled kernel in the background (the first run on "
-                         "this machine, about a minute); until it is ready the steps use the eager kernel")
+                log.info("[zeroplug] cpu_adam: building the compiled kernel in a background process (the first "
+                         "run on this machine, about a minute; log: %s); the steps use the eager kernel until "
+                         "it is ready", os.path.join(self.cache_dir, BUILD_LOG))
             return
         t0 = time.perf_counter()
+        cached = self.cached()
         self.done.wait()
         if self.announce and time.perf_counter() - t0 > 1.0:
             log.info("[zeroplug] cpu_adam: initialize waited %.1f s for the kernel (%s)", time.perf_counter() - t0,
@@ -203,13 +220,23 @@ class WarmUp:
             if warning and self.announce:
                 log.warning("[zeroplug] %s", warning)
             _import_compiler()
+            # the machine's vector-ISA checks need no variant: answered (once per machine, under
+            # the lock, so that a rank that waited finds the answers) while the states are set up
+            lock_path = os.path.join(self.cache_dir, LOCK_NAME)
+            lock, waited = _lock(lock_path, self.announce)
+            kernels.remember_isa_checks(os.path.join(self.cache_dir, ISA_FILE))
+            _pick_vec_isa()
+            if lock is not None:
+                lock.release()
+                lock = None
             self._named.wait()      # (forever if initialize fails first: an idle daemon thread)
             if not self.keys:
                 return
-            lock, waited = _lock(os.path.join(self.cache_dir, LOCK_NAME), self.announce)
+            if self.child is not None:
+                self.child.wait()   # the build, elsewhere; what follows loads it
+            lock, more = _lock(lock_path, self.announce)
+            waited += more
             t1 = time.perf_counter()
-            # (read under the lock: a rank that waited finds the answers of the one that built)
-            kernels.remember_isa_checks(os.path.join(self.cache_dir, ISA_FILE))
             before = _cache_counters()
             result = self.optimizer.warm_up(self.keys, self.thread_counts)
             after = _cache_counters()
@@ -218,7 +245,8 @@ class WarmUp:
             self.stats = {"seconds": time.perf_counter() - t0, "build_seconds": time.perf_counter() - t1,
                           "waited_seconds": waited, "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
                           "cache_hits": after.get("hit", 0) - before.get("hit", 0),
-                          "cache_misses": after.get("miss", 0) - before.get("miss", 0), "result": result}
+                          "cache_misses": after.get("miss", 0) - before.get("miss", 0), "result": result,
+                          "child": None if self.child is None else self.child.returncode}
             if self.announce:
                 built = sorted({v for v in result.values()})
                 log.info("[zeroplug] cpu_adam: %d kernel variant(s) ready in %.1f s (%s; inductor cache: %d "
@@ -233,6 +261,50 @@ class WarmUp:
                 lock.release()
             kernels._COMPILED.warm_up_threads.discard(me)
             self.done.set()
+
+
+def _build_in_child(keys, thread_counts, cache_dir: str) -> subprocess.Popen | None:
+    """Start ``python -m zeroplug.plugins.optim.cpu_adam_warmup`` on these variants, in a
+    session of its own (it finishes the build if this process ends first), writing to the
+    build log in ``cache_dir``; None if it cannot be started (this process builds instead)."""
+    spec = json.dumps({"keys": [[bool(a), str(g), None if lp is None else str(lp)] for a, g, lp in keys],
+                       "threads": list(thread_counts)})
+    try:
+        logf = open(os.path.join(cache_dir, BUILD_LOG), "a")
+    except OSError:
+        logf = subprocess.DEVNULL
+    try:
+        return subprocess.Popen([sys.executable, "-m", __name__, spec], stdin=subprocess.DEVNULL, stdout=logf,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
+    except OSError:
+        return None
+    finally:
+        if logf is not subprocess.DEVNULL:
+            logf.close()
+
+
+def _dtype(name: str | None):
+    return None if name is None else getattr(torch, name.rpartition(".")[2])
+
+
+def main(argv=None) -> int:
+    """The child of :func:`_build_in_child`: build the variants given as JSON, then exit."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    spec = json.loads((argv or sys.argv[1:])[0])
+    keys = [(a, _dtype(g), _dtype(lp)) for a, g, lp in spec["keys"]]
+    from .cpu_adam import CPUAdam
+    opt = CPUAdam([torch.zeros(1)], lr=1e-3)
+    w = WarmUp(opt, keys, spec["threads"]).start()
+    w.wait()
+    return 0 if w.error is None else 1
+
+
+def _pick_vec_isa() -> None:
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        pick_vec_isa()
+    except Exception:      # another torch layout: the build checks what it needs
+        pass
 
 
 def _import_compiler() -> None:
@@ -281,3 +353,7 @@ def _lock(path: str, announce: bool):
                      "(%s); waiting for it", path)
             said = True
         time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
