@@ -273,9 +273,12 @@ def _build_in_child(keys, thread_counts, cache_dir: str) -> subprocess.Popen | N
         logf = open(os.path.join(cache_dir, BUILD_LOG), "a")
     except OSError:
         logf = subprocess.DEVNULL
+    # Note: one compile worker, and (in main) a lower CPU priority: the training steps beside
+    # it run on every core, and two small kernels gain nothing from parallel compilation.
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
     try:
         return subprocess.Popen([sys.executable, "-m", __name__, spec], stdin=subprocess.DEVNULL, stdout=logf,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
     except OSError:
         return None
     finally:
@@ -290,6 +293,10 @@ def _dtype(name: str | None):
 def main(argv=None) -> int:
     """The child of :func:`_build_in_child`: build the variants given as JSON, then exit."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        os.nice(10)
+    except (AttributeError, OSError):
+        pass
     spec = json.loads((argv or sys.argv[1:])[0])
     keys = [(a, _dtype(g), _dtype(lp)) for a, g, lp in spec["keys"]]
     from .cpu_adam import CPUAdam
