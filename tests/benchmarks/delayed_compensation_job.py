@@ -37,8 +37,7 @@ import time
 
 import torch
 
-from zeroplug.workload.data import ByteBatches, stdlib_corpus
-from zeroplug.workload.models import GPT, get_preset
+from delayed_reference_job import builtin_job
 
 
 def main() -> None:
@@ -69,25 +68,7 @@ def main() -> None:
         a.pred, a.alpha = "lin", 1.0
     warmup = a.steps if a.warmup is None else a.warmup
 
-    def lr_at(step, base=2e-3, w=30):
-        if step < w:
-            return base * step / w
-        prog = min(1.0, (step - w + 1) / max(1, a.steps - w))
-        return base * (1e-4 + (1 - 1e-4) * 0.5 * (1 + math.cos(math.pi * prog)))
-
-    mcfg = get_preset("char-tiny")
-    torch.manual_seed(a.seed)
-    model = GPT(mcfg)
-    data = ByteBatches(stdlib_corpus(max_bytes=a.max_bytes), a.micro_batch, min(a.seq, mcfg.seq_len),
-                       seed=a.seed, rank=0, world_size=1, device="cpu")
-
-    def held_out() -> float:
-        model.eval()
-        with torch.no_grad():
-            x, y = data.eval_batch(64)
-            loss = model(x, y).float().item()
-        model.train()
-        return loss
+    lr_at, model, data, held_out = builtin_job(a.steps, a.seq, a.max_bytes, a.micro_batch, a.seed)
 
     b1, b2, eps, wd = 0.9, 0.95, 1e-8, 0.1
     params = list(model.parameters())

@@ -18,6 +18,31 @@ from zeroplug.workload.data import ByteBatches, stdlib_corpus
 from zeroplug.workload.models import GPT, get_preset
 
 
+def builtin_job(steps: int, seq: int, max_bytes, micro_batch: int, seed: int = 0):
+    """The built-in job's parts: (lr_at(step), the model, its batches, held_out() loss)."""
+    def lr_at(step, base=2e-3, w=30):
+        if step < w:
+            return base * step / w
+        prog = min(1.0, (step - w + 1) / max(1, steps - w))
+        return base * (1e-4 + (1 - 1e-4) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+    mcfg = get_preset("char-tiny")
+    torch.manual_seed(seed)
+    model = GPT(mcfg)
+    data = ByteBatches(stdlib_corpus(max_bytes=max_bytes), micro_batch, min(seq, mcfg.seq_len),
+                       seed=seed, rank=0, world_size=1, device="cpu")
+
+    def held_out() -> float:
+        model.eval()
+        with torch.no_grad():
+            x, y = data.eval_batch(64)
+            loss = model(x, y).float().item()
+        model.train()
+        return loss
+
+    return lr_at, model, data, held_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -29,26 +54,7 @@ def main() -> None:
     a = ap.parse_args()
     warmup = a.steps if a.warmup is None else a.warmup
 
-    def lr_at(step, base=2e-3, w=30):
-        if step < w:
-            return base * step / w
-        prog = min(1.0, (step - w + 1) / max(1, a.steps - w))
-        return base * (1e-4 + (1 - 1e-4) * 0.5 * (1 + math.cos(math.pi * prog)))
-
-    mcfg = get_preset("char-tiny")
-    torch.manual_seed(0)
-    model = GPT(mcfg)
-    data = ByteBatches(stdlib_corpus(max_bytes=a.max_bytes), a.micro_batch, min(a.seq, mcfg.seq_len),
-                       seed=0, rank=0, world_size=1, device="cpu")
-
-    def held_out() -> float:
-        model.eval()
-        with torch.no_grad():
-            x, y = data.eval_batch(64)
-            loss = model(x, y).float().item()
-        model.train()
-        return loss
-
+    lr_at, model, data, held_out = builtin_job(a.steps, a.seq, a.max_bytes, a.micro_batch)
     masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     before = [m.detach().clone() for m in masters]        # the masters before the last update
     opt = torch.optim.AdamW(masters, lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
