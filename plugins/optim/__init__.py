@@ -143,23 +143,25 @@ class AutoOptimizer(OptimizerFactory):
     Options = CPUAdamOptions
     cpu_adam: CPUAdam | None = None
 
+    @staticmethod
+    def _cpu_adam(run, state_device) -> bool:
+        """Whether this choice is cpu_adam: states offloaded to the CPU from a GPU run."""
+        return state_device.type == "cpu" and run.device.type != "cpu"
+
     @classmethod
     def grad_dtypes(cls, options, run, state_device):
-        if state_device.type == "cpu" and run.device.type != "cpu":
+        if cls._cpu_adam(run, state_device):
             return CPUAdam.grad_dtypes(options, run, state_device)
         return (torch.float32,)
 
-    def _on_cpu(self, state_device) -> bool:
-        return state_device.type == "cpu" and self.run.device.type != "cpu"
-
     def begin(self, state_device):
-        self.cpu_adam = CPUAdam(self.options, self.run) if self._on_cpu(state_device) else None
+        self.cpu_adam = CPUAdam(self.options, self.run) if self._cpu_adam(self.run, state_device) else None
         if self.cpu_adam is not None:
             self.cpu_adam.begin(state_device)
 
     def build(self, params, device):
         o = self.options
-        if self._on_cpu(device):
+        if self._cpu_adam(self.run, device):
             self.cpu_adam = self.cpu_adam or CPUAdam(o, self.run)
             return self.cpu_adam.build(params, device)
         return AdamW(AdamOptions(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay),
