@@ -232,15 +232,69 @@ class FSDP2Runner(TorchRunner):
     autocast = False       # the mixed-precision policy casts
 
 
+class DeepSpeedRunner(TorchRunner):
+    """The other peer: the same model under DeepSpeed, from a DeepSpeed JSON config (a path).
+    DeepSpeed is no dependency of zeroplug: install it to compare. One process sets the
+    single-rank environment DeepSpeed's launcher would (``RANK``, ``MASTER_ADDR``, ...).
+
+    ``torch_optimizer=True`` swaps the JSON's Adam/AdamW for torch's fused AdamW (DeepSpeed's
+    ``torch_adam``), which holds the same states as DeepSpeed's FusedAdam without its
+    just-in-time build (a minute of nvcc per machine)."""
+
+    def __init__(self, build_model, make_batch, ds_json: str, device=None, torch_optimizer: bool = False,
+                 label: str = "deepspeed"):
+        import json
+        import os
+        import socket
+
+        import deepspeed
+        self.device = torch.device(device) if device is not None else default_device()
+        self.make_batch, self.label = make_batch, label
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+        deepspeed.init_distributed()
+        with open(ds_json) as f:
+            cfg = json.load(f)
+        if torch_optimizer and cfg.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw"):
+            cfg["optimizer"]["params"] = {**cfg["optimizer"].get("params", {}), "torch_adam": True, "fused": True}
+        if cfg.get("zero_optimization", {}).get("stage") == 3:
+            with deepspeed.zero.Init(config_dict_or_path=cfg):
+                model = build_model()
+        else:
+            with torch.device(self.device):
+                model = build_model()
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step(self, batches) -> float:
+        loss = _loss_of(_forward(self.engine, batches[0]))
+        self.engine.backward(loss)
+        self.engine.step()
+        sync(self.device)
+        return float(loss.detach().float().item())
+
+    def close(self) -> None:
+        self.engine.destroy()
+        del self.engine
+
+
 def make_runner(build_model, make_batch, config, device=None, label=None):
     """An :class:`EngineRunner`, or a baseline: :class:`TorchRunner` for ``config="torch"``,
     :class:`FSDP2Runner` for ``"fsdp2"`` (``"fsdp2-no-reshard"``: parameters kept gathered
-    between forward and backward)."""
+    between forward and backward), :class:`DeepSpeedRunner` for ``"deepspeed:PATH.json"``
+    (``"deepspeed-torch-adam:PATH.json"``: with torch's fused AdamW)."""
     if isinstance(config, str) and config == "torch":
         return TorchRunner(build_model, make_batch, device, label=label or "torch")
     if isinstance(config, str) and config.startswith("fsdp2"):
         return FSDP2Runner(build_model, make_batch, device, reshard_after_forward=config == "fsdp2",
                            label=label or config)
+    if isinstance(config, str) and config.startswith("deepspeed"):
+        kind, path = config.split(":", 1)
+        return DeepSpeedRunner(build_model, make_batch, path, device, torch_optimizer=kind == "deepspeed-torch-adam",
+                               label=label or "deepspeed")
     return EngineRunner(build_model, make_batch, config, device, label=label or "zeroplug")
 
 

@@ -24,7 +24,7 @@ from .comm import Comm
 from .errors import StateError, StepFailedError
 from zeroplug.observe.metrics import StepMetrics
 from .registry import get_plugin_manager
-from .slots import RunContext
+from .slots import RunContext, takes_grad_scale
 
 log = logging.getLogger("zeroplug")
 
@@ -183,9 +183,7 @@ class Engine:
             if clip > 0 and norm > clip:
                 factor *= clip / (norm + 1e-6)
             self._set_lr(lr)
-            fused = (getattr(self.optimizer, "defaults", {}).get("fused")
-                     or getattr(self.optimizer, "takes_grad_scale", False))
-            if factor != 1.0 and fused:
+            if factor != 1.0 and takes_grad_scale(self.optimizer):
                 # Note: torch's fused Adam/AdamW/SGD (and cpu_adam) divide each gradient by
                 # grad_scale inside their one pass; that saves a read and a write of every
                 # gradient (on an offloaded 1.3B model, ~11 GB of host memory traffic a step).

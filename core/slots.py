@@ -19,6 +19,13 @@ from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, TierCapabiliti
                     UnitShard, step_group)
 
 
+def takes_grad_scale(optimizer) -> bool:
+    """Whether ``optimizer`` divides each gradient by its ``grad_scale`` attribute inside its
+    own pass (torch's fused kernels, cpu_adam): the engine then hands it the unscale x clip
+    factor instead of multiplying every gradient before the step."""
+    return bool(getattr(optimizer, "defaults", {}).get("fused") or getattr(optimizer, "takes_grad_scale", False))
+
+
 @dataclass
 class RunContext:
     """What every slot implementation may know about the run: the one place where state

@@ -15,7 +15,9 @@ bytes; observed 1.5 to 2 on one rank) and a few KB of activations. The model sta
 terms; on two ranks only they are checked (see the note in ``_measure``).
 
 Between steps no fp32 gradient exists (12 P / W, plus 2 P at stage 2): each unit's is
-allocated as its reduction lands and freed after the step.
+allocated as its reduction lands and freed after the step. On one rank (no reduction, no
+accumulation) the gradients stay bf16 until the step widens them a slice at a time, so the
+floor there is 14 P: 2 bytes of gradient, not 4.
 """
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ def _measure(rank, world, stage):
 
 @pytest.mark.parametrize("world,stage", [(1, 2), (1, 3), (2, 2), (2, 3)])
 def test_step_peak_within_the_floor(world, stage):
-    floor = 16 * P / world
+    # one rank keeps autograd's bf16 gradients (exact; widened slice by slice in the step)
+    floor = 12 * P / world + (2 * P if world == 1 else 4 * P / world)
     window = 2 * 2 * UNIT if stage == 3 else 0              # the unit in use and the next, bf16
     buckets = 0 if world == 1 else 3 * 4 * UNIT             # three fp32 buckets in flight
     temporaries = 2 * 4 * UNIT

@@ -19,8 +19,9 @@ import torch
 
 from zeroplug.errors import StateError
 from .flat_layout import FlatLayout
+from .lp_grads import LowPrecisionGrads
 from zeroplug.param_groups import ParamGroups
-from zeroplug.slots import Partitioner
+from zeroplug.slots import Partitioner, takes_grad_scale
 from zeroplug.tiers import all_exported
 
 from .masters import make_masters
@@ -86,9 +87,14 @@ class FlatPartitioner(Partitioner):
         self._direct_grads = (self.shard_grads and run.world_size == 1
                               and not offload_optimizer.capabilities.offloaded)
         self.offload = None             # the offloaded states (offload.py), when the tier offloads
+        self.lp_grads = None            # direct gradients kept in the model dtype (lp_grads.py)
         make_masters(self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
+        self.step_window = None         # the next forward overlapping the step (step_window.py)
+        if self.offload is not None and self.waits_per_unit() and not self.shard_params:
+            from .step_window import StepWindow
+            self.step_window = StepWindow(module, self.units, self.offload)
 
     def close(self) -> None:
         # Note: a parameter's post-accumulate-grad hook is held by autograd's C++ side, which
@@ -97,6 +103,8 @@ class FlatPartitioner(Partitioner):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self.step_window is not None:
+            self.step_window.remove()
 
     def _prepare_module(self, module):
         for name, p in module.named_parameters():
@@ -142,6 +150,12 @@ class FlatPartitioner(Partitioner):
         """Whether units are gathered on use (after waiting for their sub-group's step)."""
         return False
 
+    def waits_per_unit(self) -> bool:
+        """Whether each unit waits for its own sub-group before use, so that the offloaded
+        step may run on beside the next forward: below stage 3, where nothing is gathered
+        after the step (one rank, or stage 0's whole optimizer on every rank)."""
+        return self.layout_world == 1
+
     def master_params(self):
         return self._master_list
 
@@ -182,7 +196,10 @@ class FlatPartitioner(Partitioner):
     def _on_grad(self, p) -> None:
         u = self.unit_of[p]
         i = u.position[p]
-        if self._direct_grads:
+        if self.lp_grads is not None:
+            self.lp_grads.keep(u, i, p.grad)
+            p.grad = None
+        elif self._direct_grads:
             o, n = u.layout.offsets[i], u.layout.numels[i]
             if u.master.grad is None:
                 u.master.grad = torch.zeros_like(u.master)
@@ -301,7 +318,7 @@ class FlatPartitioner(Partitioner):
         self._drain()
         if self.offload is not None:
             self.offload.wait_grads()
-        elif self.lazy_grads:
+        elif self.lazy_grads and self.lp_grads is None:
             for u in self.units:      # no gradient in this window: a zero one, as if allocated
                 if u.master.grad is None:
                     u.master.grad = torch.zeros_like(u.master)
@@ -313,6 +330,8 @@ class FlatPartitioner(Partitioner):
                 if self.layout_world > 1:
                     self.comm.all_reduce(sq)
                 return sq
+        if self.lp_grads is not None:
+            return self.lp_grads.norm_sq(self.device)
         grads = [t.grad for t in self._master_list]
         if not grads:
             return torch.zeros((), device=self.device)
@@ -333,6 +352,8 @@ class FlatPartitioner(Partitioner):
         if self.lazy_grads:
             for u in self.units:      # freed: allocated again as the next window's reductions land
                 u.master.grad = None
+        if self.lp_grads is not None:
+            self.lp_grads.clear()
         # Note: offloaded master grads are overwritten by the next boundary's copies (and
         # zeroed for units that got none), which saves a pass over host memory per step.
         self.before_backward()
@@ -341,14 +362,27 @@ class FlatPartitioner(Partitioner):
     def optimizer_built(self, optimizer) -> None:
         if self.offload is not None:
             self.offload.prepare(optimizer)
+        # Note: one rank, no accumulation, gradients straight into the masters: the fp32
+        # master gradient would be an exact widening of autograd's model-dtype gradient, so
+        # those are kept instead (2 bytes per parameter less at the end of backward, the
+        # stage's peak) and widened slice by slice in the step. Only with an optimizer that
+        # divides by grad_scale itself: an in-place multiply would round them.
+        if (self._direct_grads and self.pdtype != torch.float32 and takes_grad_scale(optimizer)
+                and self.run.config.batch.gradient_accumulation_steps == 1):
+            self.lp_grads = LowPrecisionGrads(self.units)
 
     def step_optimizer(self, optimizer) -> None:
         """Step the masters and publish them as model parameters."""
         self.release_all()
         if self.offload is not None:
             self.offload.step(optimizer)
+            if self.step_window is not None and self.offload.pending:
+                self.step_window.start()
         else:
-            optimizer.step()
+            if self.lp_grads is not None:
+                self.lp_grads.step(optimizer)
+            else:
+                optimizer.step()
             if not self.alias:
                 for u in self.units:
                     if u.lp_source is None:     # (else gathered from the master on use)
@@ -379,6 +413,8 @@ class FlatPartitioner(Partitioner):
     def wait_optimizer(self) -> None:
         if self.offload is not None:
             self.offload.wait_all()
+            if self.step_window is not None:
+                self.step_window.close()
             if self._gather_late:
                 self._gather_after_step()
 
@@ -403,7 +439,8 @@ class FlatPartitioner(Partitioner):
             + [u.shard for u in self.all_units if u.sharded_params],
             "master": [] if self.alias else list(self._master_list),
             "gradients": [u.grad_flat for u in self.units] + [u.master.grad for u in self.units]
-            + [t.grad for t in self._master_list],      # (offloaded: the tier's gradient buffers)
+            + [t.grad for t in self._master_list]      # (offloaded: the tier's gradient buffers)
+            + (self.lp_grads.tensors() if self.lp_grads is not None else []),
             # (on the device: none between steps; in backward, each unit's from its reduction on)
             "buckets": [u.bucket for u in self.units] + [out for _, _, out in self._pending],
             "prefetch": [u.full for u in self.all_units if not u.persistent and u.state != FREE],

@@ -12,7 +12,9 @@ measures, in this process and one after another: plain PyTorch (one rank only), 
 (``fully_shard`` per block; no reshard after forward: the peer of stage 2; reshard: of
 stage 3), zeroplug stage 2 and 3, and the variants whose extra memory an option turns on
 (``stage3_low_precision_shards``, a fixed 5e8-element ``reduce_bucket_size``) or off
-(``stage3_max_reuse_distance = 0``, several ranks: nothing kept gathered from forward to backward). tokens/s from
+(``stage3_max_reuse_distance = 0``, several ranks: nothing kept gathered from forward to backward),
+and DeepSpeed's stages 2 and 3 from its own JSON (deepspeed_configs/zero2.json, zero3.json;
+with torch's fused AdamW as DeepSpeed's ``torch_adam``) when DeepSpeed is installed. tokens/s from
 the median step after ``--warmup`` steps; peak = ``torch.cuda.max_memory_allocated()`` since
 the model was built (the maximum over the ranks); for zeroplug rows, the memory report
 between steps (``engine.memory_report()``).
@@ -39,6 +41,11 @@ from pathlib import Path
 import torch
 
 GiB = 1024 ** 3
+DS_CONFIGS = Path(__file__).parent / "deepspeed_configs"
+# DeepSpeed (when installed) from its own JSON, with torch's fused AdamW for its FusedAdam:
+# the same states, no just-in-time build
+DS_STAGE2 = f"deepspeed-torch-adam:{DS_CONFIGS / 'zero2.json'}"
+DS_STAGE3 = f"deepspeed-torch-adam:{DS_CONFIGS / 'zero3.json'}"
 FAMILY = ["2.7B", "3.3B", "3.9B", "4.3B", "4.6B", "4.9B", "5.3B", "6.7B", "7.7B", "8.6B", "13B"]
 MICRO_BATCH, SEQ = 8, int(os.environ.get("MEMORY_FLOOR_SEQ", 1024))   # (a shorter SEQ: CPU smoke runs)
 OOM_EXIT = 3
@@ -56,15 +63,24 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     "zeroplug stage3, stage3_max_reuse_distance 0": {"plugin": "stage3", "stage3_max_reuse_distance": 0},
     "zeroplug stage3, stage3_max_reuse_distance 1e8": {"plugin": "stage3", "stage3_max_reuse_distance": int(1e8)},
     "zeroplug stage3, stage3_max_reuse_distance 2e8": {"plugin": "stage3", "stage3_max_reuse_distance": int(2e8)},
+    "deepspeed stage2": DS_STAGE2,
+    "deepspeed stage3": DS_STAGE3,
 }
 SEARCH = {
     "stage3": {"zero": {"plugin": "stage3"}},
     "stage2": {"zero": {"plugin": "stage2"}},
     "fsdp2": "fsdp2",
     "fsdp2-no-reshard": "fsdp2-no-reshard",
+    "deepspeed-stage2": DS_STAGE2,
+    "deepspeed-stage3": DS_STAGE3,
     "stage3-offload": {"zero": {"plugin": "stage3"}, "optimizer": {"plugin": "auto", "lr": 1e-4},
                        "offload": {"optimizer": {"plugin": "cpu"}, "param": {"plugin": "cpu"}}},
 }
+
+
+def deepspeed_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def world() -> tuple[int, int]:
@@ -129,7 +145,7 @@ def measure(model_name: str, config, device, steps: int, warmup: int) -> dict:
         out.update(step_s=statistics.median(times), tokens_per_s=MICRO_BATCH * SEQ / statistics.median(times),
                    loss=loss)
         engine = getattr(runner, "engine", None)
-        if engine is not None:
+        if hasattr(engine, "memory_report"):        # (a zeroplug engine)
             from zeroplug.observe.memory import format_memory_report
             from zeroplug.workload.models import param_count
             n = param_count(cfg)        # (stage 3's parameters are sharded: counted from the config)
@@ -164,6 +180,10 @@ def run_table(args, device) -> list[dict]:
         if "max_reuse_distance" in label and size == 1:
             continue        # one rank keeps nothing for reuse anyway (a gather is a cast)
         if args.rows and not any(w.strip() in label for w in args.rows.split(",")):
+            continue
+        if label.startswith("deepspeed") and not deepspeed_installed():
+            if rank == 0:
+                print(f"{label:<48} skipped: DeepSpeed is not installed", flush=True)
             continue
         config = spec if isinstance(spec, str) else zeroplug_config({"zero": spec})
         r = measure(args.model, config, device, args.steps, args.warmup)
