@@ -70,12 +70,9 @@ class Layout:
     #: reduced gradients are exact in this dtype (the model's with one rank or a model-dtype
     #: reduction and no accumulation; else fp32): a tier may hold gradients in it
     exact_grad_dtype: torch.dtype = torch.float32
-    #: the stage gathers each unit's parameters just before their use (stage 3)
+    #: the stage calls wait(k) before it gathers a unit of sub-group k (stage 3), so step()
+    #: may return while sub-groups are still stepping
     gathers_per_unit: bool = False
-    #: the stage calls wait(k) before it uses a unit of sub-group k (stage 3 before each
-    #: gather; stages 0-2 on one rank before each module's forward and before any other read
-    #: of a parameter), so step() may return while sub-groups are still stepping
-    waits_per_unit: bool = False
     #: every parameter shard stays in memory (False: publish only through write_shard)
     shards_in_memory: bool = True
     #: ``with write_shard(unit) as shard:`` new values for a unit's shard (persisted after)
@@ -214,7 +211,7 @@ class OffloadTier:
             for k: acquire(k); step_group(optimizer, k); publish(k); release(k)
 
         A tier may order, overlap or pipeline this as it likes; with
-        ``layout.waits_per_unit`` it may return before every sub-group is done, as long as
+        ``layout.gathers_per_unit`` it may return before every sub-group is done, as long as
         wait(k), ready(k) and wait_all() tell the truth."""
         mult = grad_multiplier(optimizer)
         for k in range(len(self.masters)):

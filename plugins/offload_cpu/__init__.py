@@ -59,10 +59,9 @@ class CPUOptions:
                 "holds the reduced gradient exactly (one rank, or reduce_dtype = the model dtype; no gradient "
                 "accumulation; cpu_adam): half the D2H bytes and 2 bytes less host memory traffic per element, the "
                 "same values; else fp32.")
-    overlap_step: bool = opt(True, "The CPU steps sub-groups on a worker thread while the next forward runs "
-                                   "(stage 3; stages 1-2 on one rank): each unit waits for its own "
-                                   "sub-group before use, so the values are the same as with false "
-                                   "(docs/benchmarks.md has the step times).")
+    overlap_step: bool = opt(True, "Stage 3: the CPU steps sub-groups on a worker thread while the next "
+                                   "forward runs (each unit waits for its own sub-group; the same values "
+                                   "as false; docs/benchmarks.md has the step times).")
     overlap_step_threads: int = opt(0, "CPU threads of the overlapped step's kernel; 0 = all of torch's "
                                        "intra-op threads but one, which is left to the training loop.", min=0)
     delayed_update: bool = opt(
@@ -149,7 +148,7 @@ class CPUOffload(HostTier):
         return exact
 
     def overlaps(self) -> bool:
-        return self.options.overlap_step and self.layout.waits_per_unit and self.layout.shards_in_memory
+        return self.options.overlap_step and self.layout.gathers_per_unit and self.layout.shards_in_memory
 
     def overlap_threads(self) -> int:
         """The step's kernel threads while the training loop runs beside it.

@@ -59,12 +59,9 @@ def unit_groups(part) -> list[list]:
     the optimizer between tiers changes no arithmetic; a parameter group never shares
     a sub-group with another."""
     groups, cur, n = [], [], 0
-    limit = part.options.sub_group_size
-    if limit == "auto":
-        limit = int(1e9) if part.shard_params else int(1e8)
     for u in part.units:
         size = u.hi - u.lo
-        if cur and (n + size > limit or u.group != cur[-1].group):
+        if cur and (n + size > part.options.sub_group_size or u.group != cur[-1].group):
             groups.append(cur)
             cur, n = [], 0
         cur.append(u)

@@ -40,7 +40,6 @@ class Offloaded:
             return ptier.update(i) if i in part.param_tier_units else nullcontext(by_index[i].shard)
         layout = Layout(units=tuple(units), sub_groups=tuple(sub_groups), param_dtype=part.pdtype,
                         device=part.device, exact_grad_dtype=exact, gathers_per_unit=part.gathers_per_unit(),
-                        waits_per_unit=part.waits_per_unit(),
                         shards_in_memory=not part.params_offloaded or ptier.capabilities.in_memory,
                         write_shard=write)
         self.tier.plan(layout)

@@ -25,11 +25,7 @@ class ZeroOptions:
                                      "all-reduces them and keeps this rank's part.")
     contiguous_gradients: bool = opt(True, "Copy gradients into a contiguous bucket as they are "
                                            "produced (always on: kept for DeepSpeed configs).")
-    sub_group_size: int | Literal["auto"] = opt(
-        AUTO, "Elements of a rank's shard stepped (and offloaded) at a time; \"auto\" = 1e9 at stage 3 "
-              "(DeepSpeed's default) and 1e8 below (DeepSpeed's stage 2 has no sub-groups; there the next "
-              "forward starts once the first sub-group is stepped, with the optimizer offloaded on one rank).",
-        min=1)
+    sub_group_size: int = opt(1e9, "Elements of a rank's shard stepped (and offloaded) at a time.", min=1)
     stage3_prefetch_bucket_size: int | Literal["auto"] = opt(
         AUTO, "Stage 3: elements gathered ahead of use, following the recorded order; "
               "\"auto\" = 0.9 x hidden_size^2.", min=0)

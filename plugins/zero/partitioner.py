@@ -91,10 +91,6 @@ class FlatPartitioner(Partitioner):
         make_masters(self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
-        self.step_window = None         # the next forward overlapping the step (step_window.py)
-        if self.offload is not None and self.waits_per_unit() and not self.shard_params:
-            from .step_window import StepWindow
-            self.step_window = StepWindow(module, self.units, self.offload)
 
     def close(self) -> None:
         # Note: a parameter's post-accumulate-grad hook is held by autograd's C++ side, which
@@ -103,8 +99,6 @@ class FlatPartitioner(Partitioner):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        if self.step_window is not None:
-            self.step_window.remove()
 
     def _prepare_module(self, module):
         for name, p in module.named_parameters():
@@ -149,13 +143,6 @@ class FlatPartitioner(Partitioner):
     def gathers_per_unit(self) -> bool:
         """Whether units are gathered on use (after waiting for their sub-group's step)."""
         return False
-
-    def waits_per_unit(self) -> bool:
-        """Whether each unit waits for its own sub-group before use, so that the offloaded
-        step may run on beside the next forward: below stage 3, where nothing is gathered
-        after the step (one rank, or stage 0's whole optimizer on every rank)."""
-        return self.layout_world == 1
-
     def master_params(self):
         return self._master_list
 
@@ -376,8 +363,6 @@ class FlatPartitioner(Partitioner):
         self.release_all()
         if self.offload is not None:
             self.offload.step(optimizer)
-            if self.step_window is not None and self.offload.pending:
-                self.step_window.start()
         else:
             if self.lp_grads is not None:
                 self.lp_grads.step(optimizer)
@@ -413,8 +398,6 @@ class FlatPartitioner(Partitioner):
     def wait_optimizer(self) -> None:
         if self.offload is not None:
             self.offload.wait_all()
-            if self.step_window is not None:
-                self.step_window.close()
             if self._gather_late:
                 self._gather_after_step()
 
@@ -433,28 +416,13 @@ class FlatPartitioner(Partitioner):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors behind each memory category (zeroplug.observe.memory.memory_report)."""
-        from .unit import FREE
-        return {
-            "lp_params": [u.full for u in self.all_units if u.persistent]
-            + [u.shard for u in self.all_units if u.sharded_params],
-            "master": [] if self.alias else list(self._master_list),
-            "gradients": [u.grad_flat for u in self.units] + [u.master.grad for u in self.units]
-            + [t.grad for t in self._master_list]      # (offloaded: the tier's gradient buffers)
-            + (self.lp_grads.tensors() if self.lp_grads is not None else []),
-            # (on the device: none between steps; in backward, each unit's from its reduction on)
-            "buckets": [u.bucket for u in self.units] + [out for _, _, out in self._pending],
-            "prefetch": [u.full for u in self.all_units if not u.persistent and u.state != FREE],
-        }
+        from .accounting import memory_tensors
+        return memory_tensors(self)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        from .accounting import state_tensors
         self.wait_optimizer()
-        out = {"lp_params": [u.full for u in self.all_units] + [u.shard for u in self.all_units if u.sharded_params],
-               "lp_grads": [u.grad_flat for u in self.units if u.grad_flat is not None],
-               "hp_params": [] if self.alias else list(self._master_list),
-               "hp_grads": [g for g in ([u.master.grad for u in self.units] if self.alias and self.shard_grads
-                                        else [] if self.alias else [t.grad for t in self._master_list])
-                            if g is not None]}
-        return out
+        return state_tensors(self)
 
     def checkpoint_state(self, optimizer=None, parts=None) -> dict:
         """This rank's world-size-independent checkpoint part (see checkpointing.py).

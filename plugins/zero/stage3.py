@@ -334,9 +334,6 @@ class Stage3(Stage2):
             self._release(u)
 
     # -- after the optimizer ------------------------------------------------------------
-    def waits_per_unit(self) -> bool:
-        return self.gathers_per_unit()
-
     def gathers_per_unit(self) -> bool:
         return not (self.layout_world == 1 and not self.params_offloaded and not self.lp_from_master)
 

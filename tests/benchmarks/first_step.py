@@ -81,7 +81,7 @@ class Sampler(threading.Thread):
                     print(f"    {s:6.2f}  {stack}")
 
 
-def build(system: str, model_name: str, device, ds_set=()):
+def build(system: str, model_name: str, device, ds_set=(), overrides=()):
     from zeroplug.benchmarking.measure import make_runner
     from zeroplug.workload.models import GPT, get_preset
     mcfg = get_preset(model_name, activation_checkpointing=True)
@@ -109,6 +109,9 @@ def build(system: str, model_name: str, device, ds_set=()):
         config = {"zero": {"plugin": system}, "precision": {"plugin": "bf16"},
                   "optimizer": {"plugin": "adamw", "lr": 1e-4}, "scheduler": {"plugin": "none"},
                   "batch": {"micro_batch_size": 8, "gradient_clipping": 1.0}, "monitor": {"plugin": "none"}}
+    if overrides:
+        import zeroplug
+        config = zeroplug.load_config(config, list(overrides))
     return make_runner(model, batch, config, device)
 
 
@@ -122,6 +125,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE",
                     help="with a JSON row: set a DeepSpeed key (dotted), e.g. zero_optimization.sub_group_size=1e8")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a zeroplug override on top, e.g. offload.optimizer.overlap_step=false")
     ap.add_argument("--log", action="store_true", help="zeroplug's INFO lines (kernel warm-up, threads)")
     args = ap.parse_args()
     if args.log:
@@ -132,7 +137,7 @@ def main() -> None:
     t0 = time.perf_counter()
     sampler = Sampler(args.interval)
     sampler.start()
-    runner = build(args.system, args.model, device, args.ds)
+    runner = build(args.system, args.model, device, args.ds, args.set)
     sampler.report(f"{args.system}: build + initialize", args.top)
     init_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
