@@ -232,6 +232,22 @@ class FSDP2Runner(TorchRunner):
     autocast = False       # the mixed-precision policy casts
 
 
+def init_deepspeed():
+    """``import deepspeed`` with its process group up; a single process gets the environment
+    DeepSpeed's launcher would set (``RANK``, ``MASTER_ADDR``, ...)."""
+    import os
+    import socket
+
+    import deepspeed
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed()
+    return deepspeed
+
+
 class DeepSpeedRunner(TorchRunner):
     """The other peer: the same model under DeepSpeed, from a DeepSpeed JSON config (a path).
     DeepSpeed is no dependency of zeroplug: install it to compare. One process sets the
@@ -244,19 +260,9 @@ class DeepSpeedRunner(TorchRunner):
     def __init__(self, build_model, make_batch, ds_json: str, device=None, torch_optimizer: bool = False,
                  label: str = "deepspeed"):
         import json
-        import os
-        import socket
-
-        import deepspeed
+        deepspeed = init_deepspeed()
         self.device = torch.device(device) if device is not None else default_device()
         self.make_batch, self.label = make_batch, label
-        if "RANK" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
-        deepspeed.init_distributed()
         with open(ds_json) as f:
             cfg = json.load(f)
         if torch_optimizer and cfg.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw"):

@@ -3,13 +3,16 @@
   python tests/benchmarks/deepspeed_json_bench.py                       # H100: the J table rows
   python tests/benchmarks/deepspeed_json_bench.py --rows s2_offload --steps 5
   torchrun --nproc-per-node 2 tests/benchmarks/deepspeed_json_bench.py  # 2 GPUs: per-GPU rows
+  python tests/benchmarks/deepspeed_json_bench.py --engine deepspeed    # DeepSpeed itself, same JSON
 
 Each row builds the 1.3B GPT, passes the JSON in tests/benchmarks/deepspeed_configs/ to
 ``zeroplug.initialize`` untouched (no overrides: what a user launching DeepSpeed's config
 gets, torchrun's OMP_NUM_THREADS=1 included) and prints tokens/s per GPU (median step after
 two warm-up steps), peak GPU memory, the time from ``initialize`` to the end of step 1, and
 the first step against the steady one, beside DeepSpeed 0.19.8's figures on the same
-machines (quoted, not measured here). Rows run one after the other in this process, so
+machines (quoted). ``--engine deepspeed`` runs DeepSpeed itself (when installed) on the same
+JSON and prints the same columns, so the peer is measured in the same call; its CPU Adam is
+built just in time on a machine's first run. Rows run one after the other in this process, so
 only the first pays a cold kernel build; run the script twice to see a machine whose
 kernel cache is warm (the second run is what every later run on the machine gets).
 Raw results go to $OUT/deepspeed_json_bench.json when OUT is set.
@@ -50,12 +53,7 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     t_init = time.perf_counter()
-    if ds["zero_optimization"]["stage"] == 3:
-        with zeroplug.init(str(path)):
-            model = GPT(mcfg)
-    else:
-        model = GPT(mcfg)
-    engine = zeroplug.initialize(model, str(path))
+    engine, model = build_engine(args.engine, path, ds, mcfg)
     init_s = time.perf_counter() - t_init
     micro = ds["train_micro_batch_size_per_gpu"]
     g = torch.Generator(device=dev).manual_seed(rank)
@@ -84,7 +82,8 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     steady = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     total_after_warmup = sum(times[2:]) if len(times) > 2 else times[-1]
     res = {"row": name, "config": path.name, "world": world, "model": args.model, "steps": args.steps,
-           "optimizer": type(engine.optimizer).__name__, "torch_threads": torch.get_num_threads(),
+           "engine": args.engine, "optimizer": type(getattr(engine, "basic_optimizer", engine.optimizer)).__name__,
+           "torch_threads": torch.get_num_threads(),
            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
            "init_s": init_s, "first_step_s": times[0], "init_to_step1_s": init_s + times[0],
            "steady_step_s": steady, "first_over_steady": times[0] / steady,
@@ -92,11 +91,35 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
            "tokens_per_s_per_gpu_total": micro * args.seq * max(1, len(times) - 2) / total_after_warmup,
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "times": times,
            "loss_last": float(loss.detach().float())}
-    engine.close()
+    if args.engine == "deepspeed":
+        engine.destroy()
+    else:
+        engine.close()
     del engine, model, loss
     gc.collect()
     torch.cuda.empty_cache()
     return res
+
+
+def build_engine(kind: str, path: Path, ds: dict, mcfg):
+    """The JSON as-is: zeroplug's engine, or DeepSpeed's own (``--engine deepspeed``, when
+    DeepSpeed is installed; its CPU Adam is built just in time on a machine's first run)."""
+    if kind == "deepspeed":
+        from zeroplug.benchmarking.measure import init_deepspeed
+        deepspeed = init_deepspeed()
+        if ds["zero_optimization"]["stage"] == 3:
+            with deepspeed.zero.Init(config_dict_or_path=ds):
+                model = GPT(mcfg)
+        else:
+            model = GPT(mcfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        return engine, model
+    if ds["zero_optimization"]["stage"] == 3:
+        with zeroplug.init(str(path)):
+            model = GPT(mcfg)
+    else:
+        model = GPT(mcfg)
+    return zeroplug.initialize(model, str(path)), model
 
 
 def sync_time(sync: bool) -> float:
@@ -112,6 +135,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="steps per row (two warm-up steps + timed ones)")
     p.add_argument("--model", default="1.3B")
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--engine", choices=["zeroplug", "deepspeed"], default="zeroplug",
+                   help="deepspeed: run DeepSpeed itself on the same JSON (when installed), for a measured peer")
     p.add_argument("--log", action="store_true",
                    help="zeroplug's INFO lines (kernel warm-up, threads) and each step's time")
     p.add_argument("--phases", action="store_true",
@@ -137,7 +162,7 @@ def main() -> None:
     if rank != 0:
         return
     gpu = torch.cuda.get_device_name()
-    print(f"\n{args.model}, {world} x {gpu}, DeepSpeed JSON as-is, OMP_NUM_THREADS="
+    print(f"\n{args.model}, {world} x {gpu}, DeepSpeed JSON as-is, engine {args.engine}, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', '(unset)')}; {DS_INIT}")
     print("| run | optimizer | threads | tokens/s per GPU | peak GPU GiB | initialize -> end of step 1 s | "
           "first / steady step s | DeepSpeed 0.19.8 |")
