@@ -232,7 +232,10 @@ def estimate_model_states(num_params: int, stage: int, world_size: int,
       device (a gather casts it), a model-dtype shard when the master is offloaded;
     * master: fp32, sharded from stage 1 (none of its own for an fp32 model: the parameters);
     * gradients: stages 0-1 a model-dtype flat buffer plus the fp32 shard, stages 2-3 the fp32
-      shard; the fp32 shard exists from backward to the step (with the master when offloaded);
+      shard; the fp32 shard exists from backward to the step (with the master when offloaded).
+      Stages 2-3 on one rank with the optimizer on the device keep the model-dtype gradients
+      and widen an eighth of them at a time in the step (plugins/zero/lp_grads.py; with no
+      gradient accumulation and a fused optimizer, the defaults);
     * optimizer: Adam's two fp32 moments.
 
     ``device`` adds ``activations`` (one micro-batch's; no stage shards them)."""
@@ -247,6 +250,8 @@ def estimate_model_states(num_params: int, stage: int, world_size: int,
     master = 0.0 if fp32 else sharded(4, 1)
     flat = num_params * param_bytes if stage <= 1 else 0.0
     grad32 = 0.0 if fp32 and stage <= 1 else sharded(4, 2) if stage >= 2 else sharded(4, 1)
+    if stage >= 2 and n == 1 and not fp32 and not offload_optimizer:
+        grad32 = num_params * (param_bytes + 4 / 8)       # (8: lp_grads.SLICES)
     optim = sharded(8, 1)
     where = {"lp_params": offload_param, "master": offload_optimizer, "optimizer": offload_optimizer}
     cats = {"lp_params": lp, "master": master, "gradients": flat + grad32, "optimizer": optim}
