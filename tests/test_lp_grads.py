@@ -75,3 +75,19 @@ def test_gradients_held_in_bf16_until_the_step():
 def test_fp32_master_gradients_where_bf16_would_round(kw):
     # accumulation would add in bf16; a non-fused optimizer has its gradients multiplied in place
     assert _engine(2, **kw).partitioner.lp_grads is None
+
+
+def test_two_backward_calls_in_one_window_add_up_in_fp32():
+    # accumulation 1, but backward twice before the step: the gradients add as fp32 master
+    # gradients would (the second is added to a widened copy of the first)
+    def run(engine):
+        data = batches(4, 4)
+        for _ in range(2):
+            for _ in range(2):
+                x, y = next(data)
+                engine.backward(engine(x, y))
+            engine.step()
+        with engine.partitioner.gathered_params():
+            return [p.detach().clone() for p in engine.module.parameters()]
+    for a, b in zip(run(_engine(2)), run(_engine(2, keep_lp=False))):
+        assert torch.equal(a, b)

@@ -26,7 +26,6 @@ class LowPrecisionGrads:
     """Per unit, the model-dtype gradient of each of its parameters (None: none arrived)."""
 
     def __init__(self, units):
-        self.units = units
         self.grads = {u.index: [None] * len(u.params) for u in units}
         total = sum(u.hi - u.lo for u in units)
         size = max([u.hi - u.lo for u in units] + [-(-total // SLICES)])
@@ -41,8 +40,10 @@ class LowPrecisionGrads:
             self.slices.append(cur)
 
     def keep(self, u, i: int, grad: torch.Tensor) -> None:
-        """Parameter ``i`` of unit ``u`` has its gradient (one per window: no accumulation)."""
-        self.grads[u.index][i] = grad
+        """Parameter ``i`` of unit ``u`` has its gradient. A second one in the same window
+        (two backward calls before a step) is added in fp32, as the master gradient would."""
+        prev = self.grads[u.index][i]
+        self.grads[u.index][i] = grad if prev is None else prev.float().add_(grad)
 
     def tensors(self) -> list[torch.Tensor]:
         return [g for gs in self.grads.values() for g in gs if g is not None]

@@ -143,6 +143,7 @@ class FlatPartitioner(Partitioner):
     def gathers_per_unit(self) -> bool:
         """Whether units are gathered on use (after waiting for their sub-group's step)."""
         return False
+
     def master_params(self):
         return self._master_list
 
