@@ -37,16 +37,12 @@ import time
 
 import torch
 
-from delayed_reference_job import builtin_job
+from delayed_reference_job import add_job_arguments, builtin_job
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--max-bytes", type=int, default=None)
-    ap.add_argument("--micro-batch", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=None, help="exact steps before the delay (default: all exact)")
+    add_job_arguments(ap)
     ap.add_argument("--variant", choices=["plain", "predict"], default=None, help="compat: predict == --pred lin")
     ap.add_argument("--pred", choices=["plain", "lin", "adam", "adamk", "ema"], default="plain")
     ap.add_argument("--alpha", type=float, default=1.0)

@@ -43,13 +43,18 @@ def builtin_job(steps: int, seq: int, max_bytes, micro_batch: int, seed: int = 0
     return lr_at, model, data, held_out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_job_arguments(ap: argparse.ArgumentParser) -> None:
+    """The built-in job's size and the delay's warm-up (shared with delayed_compensation_job.py)."""
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--max-bytes", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=None, help="exact steps before the delay (default: all exact)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_job_arguments(ap)
     ap.add_argument("--variant", choices=["plain", "predict"], default="plain")
     a = ap.parse_args()
     warmup = a.steps if a.warmup is None else a.warmup
