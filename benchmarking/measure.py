@@ -248,6 +248,23 @@ def init_deepspeed():
     return deepspeed
 
 
+def deepspeed_engine(build_model, ds_config: dict, device=None):
+    """``(engine, model)``: ``build_model()`` under DeepSpeed with ``ds_config`` (a DeepSpeed
+    JSON as a dict). Stage 3 builds inside ``deepspeed.zero.Init`` (partitioned as it is
+    built); below, on ``device`` when given (else where the model builds, and DeepSpeed
+    moves it)."""
+    from contextlib import nullcontext
+    deepspeed = init_deepspeed()
+    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+        where = deepspeed.zero.Init(config_dict_or_path=ds_config)
+    else:
+        where = torch.device(device) if device is not None else nullcontext()
+    with where:
+        model = build_model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine, model
+
+
 class DeepSpeedRunner(TorchRunner):
     """The other peer: the same model under DeepSpeed, from a DeepSpeed JSON config (a path).
     DeepSpeed is no dependency of zeroplug: install it to compare. One process sets the
@@ -260,20 +277,13 @@ class DeepSpeedRunner(TorchRunner):
     def __init__(self, build_model, make_batch, ds_json: str, device=None, torch_optimizer: bool = False,
                  label: str = "deepspeed"):
         import json
-        deepspeed = init_deepspeed()
         self.device = torch.device(device) if device is not None else default_device()
         self.make_batch, self.label = make_batch, label
         with open(ds_json) as f:
             cfg = json.load(f)
         if torch_optimizer and cfg.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw"):
             cfg["optimizer"]["params"] = {**cfg["optimizer"].get("params", {}), "torch_adam": True, "fused": True}
-        if cfg.get("zero_optimization", {}).get("stage") == 3:
-            with deepspeed.zero.Init(config_dict_or_path=cfg):
-                model = build_model()
-        else:
-            with torch.device(self.device):
-                model = build_model()
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        self.engine, _ = deepspeed_engine(build_model, cfg, self.device)
 
     def step(self, batches) -> float:
         loss = _loss_of(_forward(self.engine, batches[0]))

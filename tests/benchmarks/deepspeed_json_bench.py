@@ -105,15 +105,8 @@ def build_engine(kind: str, path: Path, ds: dict, mcfg):
     """The JSON as-is: zeroplug's engine, or DeepSpeed's own (``--engine deepspeed``, when
     DeepSpeed is installed; its CPU Adam is built just in time on a machine's first run)."""
     if kind == "deepspeed":
-        from zeroplug.benchmarking.measure import init_deepspeed
-        deepspeed = init_deepspeed()
-        if ds["zero_optimization"]["stage"] == 3:
-            with deepspeed.zero.Init(config_dict_or_path=ds):
-                model = GPT(mcfg)
-        else:
-            model = GPT(mcfg)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-        return engine, model
+        from zeroplug.benchmarking.measure import deepspeed_engine
+        return deepspeed_engine(lambda: GPT(mcfg), ds)
     if ds["zero_optimization"]["stage"] == 3:
         with zeroplug.init(str(path)):
             model = GPT(mcfg)
