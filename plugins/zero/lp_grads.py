@@ -58,11 +58,14 @@ class LowPrecisionGrads:
 
     def widen(self, u) -> torch.Tensor:
         """Unit ``u``'s fp32 master gradient (zeros where no gradient arrived, and padding)."""
-        out = torch.zeros_like(u.master)
+        out = torch.empty_like(u.master)      # (one rank: the unit's elements, then its padding)
         for i, g in enumerate(self.grads[u.index]):
-            if g is not None:
-                o, n = u.layout.offsets[i] - u.lo, u.layout.numels[i]
+            o, n = u.layout.offsets[i] - u.lo, u.layout.numels[i]
+            if g is None:
+                out[o:o + n].zero_()
+            else:
                 out[o:o + n].view(g.shape).copy_(g)
+        out[u.layout.total - u.lo:].zero_()
         return out
 
     def step(self, optimizer) -> None:
