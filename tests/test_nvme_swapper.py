@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import zeroplug.plugins.offload_nvme.swapdir as swdir
 import zeroplug.plugins.offload_nvme.swapper as swmod
 import zeroplug.plugins.offload_nvme.swapplan as planmod
 from zeroplug.errors import ConfigError, ZeroplugError
@@ -295,6 +296,45 @@ def test_stale_directory_removed_at_next_start(tmp_path, caplog):
     finally:
         holder.communicate("")
     assert [d for d, _ in clean_stale(str(tmp_path))] == [str(alive)]        # its holder has exited
+
+
+def test_removal_racing_a_writer_leaves_nothing(tmp_path):
+    """A transfer still creating files while the directory is removed (the SIGTERM path
+    cannot wait for them) must not leave a directory behind, least of all one whose lock
+    file is already gone (no later run could tell it from a live one's)."""
+    d, lock = swdir._make_run_dir(str(tmp_path))
+    stop, created = threading.Event(), []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            try:
+                with open(os.path.join(d, f"{i:06d}.swp"), "wb") as f:
+                    f.write(b"x" * 4096)
+                created.append(i)
+            except OSError:
+                pass
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    while len(created) < 50:
+        pass
+    swdir.remove_run_dir(d, lock)
+    stop.set()
+    t.join()
+    assert not lock.held
+    leftovers = os.listdir(tmp_path)
+    assert all(n.endswith(".del") for n in leftovers), leftovers     # never the live name
+    clean_stale(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_directory_left_while_being_removed_is_garbage(tmp_path, caplog):
+    left = _fake_dir(tmp_path, _dead_pid(), lock=False, name=".zeroplug-swap-9-0000abcd.del")
+    with caplog.at_level(logging.WARNING, logger="zeroplug"):
+        assert [d for d, _ in clean_stale(str(tmp_path))] == [str(left)]
+    assert not left.exists() and "being removed" in caplog.text
 
 
 # --- errors: clear messages, tensors intact -------------------------------------------------

@@ -84,6 +84,11 @@ def _run(root: Path, restarts: int, kill_at: str | None):
     return p.returncode, "".join(lines), (time.time() - killed) if killed else None
 
 
+def _tree(path: Path) -> list[str]:
+    """Every file under ``path`` (what a failed cleanup left)."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
 def _losses(root: Path) -> dict[int, str]:
     """Step -> loss (its exact text) of the CSV's training rows (held-out evaluations have rows
     of their own, without a training loss); a step run again after a resume: the last row."""
@@ -103,7 +108,7 @@ def test_killed_rank_ends_the_job_then_restart_resumes_exactly(tmp_path):
     code, out, after = _run(run, 0, "ck/global_step4")
     assert code != 0 and after < TIMEOUT, (after, out[-3000:])
     assert "rank      : 1 (local_rank: 1)" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]
-    assert os.listdir(run / "swap") == []                  # rank 1's too: rank 0 removed it at exit
+    assert os.listdir(run / "swap") == [], _tree(run / "swap")  # rank 1's too: rank 0 removed it at exit
     assert (run / "ck" / "latest").read_text() in ("global_step4", "global_step6")
 
     # --max-restarts 1: killed again, restarted by torchrun, resumed from the last checkpoint
@@ -116,4 +121,4 @@ def test_killed_rank_ends_the_job_then_restart_resumes_exactly(tmp_path):
     assert _losses(run) == want                            # every step, bit for bit (repr of the float)
     a, b = checkpoint.consolidate(ref / "ck"), checkpoint.consolidate(run / "ck")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert os.listdir(run / "swap") == []
+    assert os.listdir(run / "swap") == [], _tree(run / "swap")

@@ -2,7 +2,7 @@
 
 Files live in a private directory ``zeroplug-swap-<pid>-<random>`` (0700, files 0600)
 under ``nvme_path``, which holds a lock file (``.lock``, :mod:`zeroplug.locks`) that the
-run keeps locked while it lives. The directory is removed by :meth:`AsyncSwapper.close`,
+run keeps locked while it lives. The directory is removed (:func:`remove_run_dir`) by :meth:`AsyncSwapper.close`,
 at interpreter exit (atexit), on SIGTERM (the handler cleans up, then chains to the
 previous handler or re-raises the default action) and by ``with AsyncSwapper(...)`` on an
 exception. A directory left by a run that was killed (SIGKILL, a crash) has a free lock:
@@ -40,6 +40,7 @@ log = logging.getLogger("zeroplug")
 DIR_PREFIX = "zeroplug-swap-"
 _DIR_RE = re.compile(r"^zeroplug-swap-(\d+)-[0-9a-f]+$")
 _NEW_RE = re.compile(r"^\.zeroplug-swap-(\d+)-[0-9a-f]+\.new$")     # being created
+_DEL_RE = re.compile(r"^\.zeroplug-swap-(\d+)-[0-9a-f]+\.del$")     # being removed
 LOCK = ".lock"
 _WARNED_UNLOCKED: set[str] = set()
 
@@ -103,6 +104,10 @@ def clean_stale(nvme_path: str) -> list[tuple[str, int]]:
     except OSError:
         return removed
     for name in names:
+        if _DEL_RE.match(name):     # garbage by its name: its owner was removing it
+            found = _remove_stale(os.path.join(nvme_path, name), None, None, "left while it was being removed")
+            removed += [found] if found else []
+            continue
         staging = _NEW_RE.match(name)
         if not (staging or _DIR_RE.match(name)):
             continue
@@ -174,6 +179,29 @@ def _make_run_dir(base: str):
             raise explain(exc, staging, "writing into the swap directory") from None
         return final, lock
     raise SwapPathError(f"NVMe swap: could not create a unique directory under {base}", base)
+
+
+def remove_run_dir(d: str, lock) -> None:
+    """Remove this run's directory ``d`` and let its lock go.
+
+    Note: ``d`` is first renamed to a hidden ``.<name>.del``. On SIGTERM the directory goes
+    while transfers are still in flight (the handler cannot wait for them); after the
+    rename a transfer that opens a new file under ``d`` fails instead of recreating
+    entries that would keep the directory alive after its lock file is gone, and whatever
+    is left under the hidden name is garbage that :func:`clean_stale` removes."""
+    base, name = os.path.split(d)
+    doomed = os.path.join(base, f".{name}.del")
+    try:
+        os.rename(d, doomed)
+    except OSError:
+        doomed = d
+    for _ in range(3):
+        shutil.rmtree(doomed, ignore_errors=True)
+        if not os.path.lexists(doomed):
+            break
+        time.sleep(0.05)    # a transfer that opened its file before the rename
+    if lock is not None:
+        lock.release(remove=False)
 
 
 _LIVE: dict[int, "AsyncSwapper"] = {}

@@ -39,9 +39,7 @@ import errno
 import logging
 import os
 import re
-import shutil
 import threading
-import time
 from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -54,7 +52,7 @@ from zeroplug.errors import ConfigError
 
 from .directio import ALIGN, O_DIRECT, _align, _bytes_of, _clear_direct, _copy_in, _copy_out, _has_direct
 from .errors import SwapError, explain
-from .swapdir import _LIVE, _LIVE_LOCK, _install_handlers, _make_run_dir, check_path, clean_stale
+from .swapdir import _LIVE, _LIVE_LOCK, _install_handlers, _make_run_dir, check_path, clean_stale, remove_run_dir
 # Re-exported, so that everything stays importable from this module:
 from .errors import SwapIOError, SwapMemoryError, SwapPathError, SwapSpaceError  # noqa: F401
 from .swapdir import DIR_PREFIX, _atexit, _cleanup_all  # noqa: F401
@@ -292,12 +290,7 @@ class AsyncSwapper:
         lock, self._dir_lock = self._dir_lock, None
         if d is None or os.getpid() != self._owner:
             return
-        shutil.rmtree(d, ignore_errors=True)
-        if os.path.exists(d):    # a straggling request created a file meanwhile
-            time.sleep(0.05)
-            shutil.rmtree(d, ignore_errors=True)
-        if lock is not None:
-            lock.release(remove=False)
+        remove_run_dir(d, lock)
         try:                     # and what dead runs left here (a rank killed beside this one)
             clean_stale(self.base)
         except Exception:        # noqa: BLE001 - cleanup must not raise
