@@ -9,6 +9,11 @@ hosts are recorded only to tell people who holds it.
 
 The lock file holds the holder's host, pid, start time and command line (JSON).
 
+Note: a forked child (a DataLoader worker) inherits every descriptor, and with it a share of
+each lock: were it to keep them, a holder killed before its children would look alive until
+the last child ended. The child closes its copies at once (closing, never unlocking, so the
+parent keeps its lock).
+
 Note: a holder removes its lock file when it lets go. A process that opened the file just
 before may then lock the removed file, so whoever takes a lock checks afterwards that the
 path still names the file it locked, and starts again if not.
@@ -22,6 +27,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 
 #: errnos of a filesystem that keeps no locks (some FUSE and old NFS mounts)
 UNSUPPORTED = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS})
@@ -32,6 +38,7 @@ class FileLock:
 
     def __init__(self, path: str, fd: int):
         self.path, self._fd = path, fd
+        _HELD.add(self)
 
     @property
     def held(self) -> bool:
@@ -40,6 +47,7 @@ class FileLock:
     def release(self, remove: bool = True) -> None:
         """Let go; ``remove`` deletes the lock file first (if it is still ours)."""
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         if fd is None:
             return
         try:
@@ -52,6 +60,22 @@ class FileLock:
 
     def __repr__(self) -> str:
         return f"FileLock({self.path!r}, {'held' if self.held else 'released'})"
+
+
+_HELD: "weakref.WeakSet[FileLock]" = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        try:
+            os.close(fd)
+        except (OSError, TypeError):
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _same_file(path: str, fd: int) -> bool:

@@ -266,3 +266,37 @@ def test_killed_run_swap_dir_is_removed_by_the_next(tmp_path):
     from zeroplug.plugins.offload_nvme.swapper import clean_stale
     assert [d for d, _ in clean_stale(str(base))] == [str(live)]
     assert os.listdir(base) == []
+
+
+FORKING_HOLDER = textwrap.dedent("""
+    import os, sys, time
+    from zeroplug.locks import try_lock
+    lock = try_lock(sys.argv[1])
+    brief = os.fork()                   # a child that ends at once: the lock stays ours
+    if brief == 0:
+        os._exit(0 if not lock.held else 1)
+    assert os.waitpid(brief, 0)[1] == 0
+    child = os.fork()                   # a child that outlives us (a DataLoader worker)
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_forked_child_does_not_keep_a_killed_holders_lock(tmp_path):
+    path = tmp_path / ".lock"
+    p = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    child = int(p.stdout.readline())
+    try:
+        assert try_lock(path) is None                  # the holder has it, its brief child gone
+        p.kill()
+        p.wait()
+        os.kill(child, 0)                              # the child still runs ...
+        lock = try_lock(path)
+        assert lock is not None                        # ... and holds nothing
+        lock.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
