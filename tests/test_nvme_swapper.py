@@ -337,6 +337,27 @@ def test_a_directory_left_while_being_removed_is_garbage(tmp_path, caplog):
     assert not left.exists() and "being removed" in caplog.text
 
 
+def test_a_cleaner_cut_short_leaves_garbage_the_next_one_removes(tmp_path, monkeypatch):
+    """A cleaner killed mid-removal (SIGTERM's default action during atexit's cleanup) must
+    not leave the dead run's directory under its live name without its lock file."""
+    stale = _fake_dir(tmp_path, _dead_pid())
+
+    class Killed(BaseException):
+        pass
+
+    def cut_short(path, ignore_errors=False):
+        os.unlink(os.path.join(path, ".lock"))         # the lock file went first, then the kill
+        raise Killed
+
+    monkeypatch.setattr(swdir.shutil, "rmtree", cut_short)
+    with pytest.raises(Killed):
+        clean_stale(str(tmp_path))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [f".{stale.name}.del"]
+    clean_stale(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
 # --- errors: clear messages, tensors intact -------------------------------------------------
 
 def _fail_with(code):

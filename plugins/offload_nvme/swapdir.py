@@ -2,11 +2,13 @@
 
 Files live in a private directory ``zeroplug-swap-<pid>-<random>`` (0700, files 0600)
 under ``nvme_path``, which holds a lock file (``.lock``, :mod:`zeroplug.locks`) that the
-run keeps locked while it lives. The directory is removed (:func:`remove_run_dir`) by :meth:`AsyncSwapper.close`,
+run keeps locked while it lives. The directory is removed by :meth:`AsyncSwapper.close`,
 at interpreter exit (atexit), on SIGTERM (the handler cleans up, then chains to the
 previous handler or re-raises the default action) and by ``with AsyncSwapper(...)`` on an
-exception. A directory left by a run that was killed (SIGKILL, a crash) has a free lock:
-it is removed when a swapper starts or closes under the same ``nvme_path``. Only the
+exception; a SIGTERM that arrives while atexit cleans up lets it finish. A directory left
+by a run that was killed (SIGKILL, a crash) has a free lock: it is removed when a swapper
+starts or closes under the same ``nvme_path``. A removal renames the directory to a hidden
+``.<name>.del`` first, so one cut short leaves garbage by its name. Only the
 lock decides, never the pid in the name, so a run in another pid namespace (a container)
 or on another host sharing the filesystem is never taken for a dead one. A forked child
 (a DataLoader worker) never removes its parent's directory.
@@ -79,13 +81,45 @@ def check_path(nvme_path: str, key: str = "nvme_path") -> str:
     return path
 
 
+def _discard(d: str) -> bool:
+    """Remove the directory ``d``; whether nothing of it is left.
+
+    Note: ``d`` is first renamed to a hidden ``.<name>.del``, then emptied. A removal cut
+    short (SIGTERM's default action arriving mid-way, a kill) then leaves garbage by its
+    name, which :func:`clean_stale` removes, never a directory under its live name whose
+    lock file is already gone (no later run could tell it from a live one's). And on
+    SIGTERM the owner removes its directory while transfers are still in flight (the
+    handler cannot wait for them): after the rename, a transfer that opens a new file
+    under ``d`` fails instead of recreating entries there."""
+    base, name = os.path.split(d)
+    doomed = d if _DEL_RE.match(name) else os.path.join(base, f".{name}.del")
+    if doomed != d:
+        try:
+            os.rename(d, doomed)
+        except OSError:
+            doomed = d
+    for _ in range(3):
+        shutil.rmtree(doomed, ignore_errors=True)
+        if not os.path.lexists(doomed):
+            return True
+        time.sleep(0.05)    # a transfer that opened its file before the rename
+    return False
+
+
+def remove_run_dir(d: str, lock) -> None:
+    """Remove this run's directory ``d`` (:func:`_discard`), then let its lock go."""
+    _discard(d)
+    if lock is not None:
+        lock.release(remove=False)
+
+
 def _remove_stale(d: str, lock, rec: dict | None, why: str) -> tuple[str, int] | None:
     size = _tree_bytes(d)
-    shutil.rmtree(d, ignore_errors=True)
+    gone = _discard(d)
     if lock is not None:
         lock.release(remove=False)          # the file went with the directory
     who = f"pid {rec.get('pid', '?')} on host {rec.get('host', '?')}" if rec else "an unknown process"
-    if os.path.exists(d):
+    if not gone:
         log.warning("NVMe swap: found the stale swap directory %s (%s) of %s, but could not remove it; remove "
                     "it by hand", d, _fmt_bytes(size), who)
         return None
@@ -181,32 +215,9 @@ def _make_run_dir(base: str):
     raise SwapPathError(f"NVMe swap: could not create a unique directory under {base}", base)
 
 
-def remove_run_dir(d: str, lock) -> None:
-    """Remove this run's directory ``d`` and let its lock go.
-
-    Note: ``d`` is first renamed to a hidden ``.<name>.del``. On SIGTERM the directory goes
-    while transfers are still in flight (the handler cannot wait for them); after the
-    rename a transfer that opens a new file under ``d`` fails instead of recreating
-    entries that would keep the directory alive after its lock file is gone, and whatever
-    is left under the hidden name is garbage that :func:`clean_stale` removes."""
-    base, name = os.path.split(d)
-    doomed = os.path.join(base, f".{name}.del")
-    try:
-        os.rename(d, doomed)
-    except OSError:
-        doomed = d
-    for _ in range(3):
-        shutil.rmtree(doomed, ignore_errors=True)
-        if not os.path.lexists(doomed):
-            break
-        time.sleep(0.05)    # a transfer that opened its file before the rename
-    if lock is not None:
-        lock.release(remove=False)
-
-
 _LIVE: dict[int, "AsyncSwapper"] = {}
 _LIVE_LOCK = threading.Lock()
-_HANDLER_STATE: dict[str, Any] = {"installed": False, "previous": None}
+_HANDLER_STATE: dict[str, Any] = {"installed": False, "previous": None, "exiting": False}
 
 
 def _cleanup_all(fast: bool) -> None:
@@ -220,6 +231,7 @@ def _cleanup_all(fast: bool) -> None:
 
 
 def _atexit() -> None:
+    _HANDLER_STATE["exiting"] = True
     _cleanup_all(fast=False)
 
 
@@ -231,6 +243,8 @@ def _on_sigterm(signum, frame):
         # torchelastic's SignalException) the exception unwinds and atexit removes them.
         prev(signum, frame)
         return
+    if _HANDLER_STATE["exiting"]:
+        return                     # atexit is cleaning up, and the process ends after it
     _cleanup_all(fast=True)        # the default action follows: files first
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
