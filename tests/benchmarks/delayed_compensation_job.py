@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--lam-per-lr", action="store_true")
     ap.add_argument("--corr-v", action="store_true")
     ap.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    ap.add_argument("--b1-delayed", type=float, default=None, help="Adam's beta1 once the delay runs")
+    ap.add_argument("--lr-delayed", type=float, default=1.0, help="the learning rate's factor once the delay runs")
     ap.add_argument("--log", type=int, default=0, help="print train loss every N steps")
     a = ap.parse_args()
     if a.variant == "predict":
@@ -105,11 +107,11 @@ def main() -> None:
                 p.copy_(m - a.alpha * lr_next * (mhat / (vhat.sqrt() + eps) + wd * m))
 
     @torch.no_grad()
-    def adamw(m, s, gm, gv, lr):
+    def adamw(m, s, gm, gv, lr, b1d=b1):
         s["k"] += 1
         k = s["k"]
         m.mul_(1 - lr * wd)
-        s["ea"].lerp_(gm, 1 - b1)
+        s["ea"].lerp_(gm, 1 - b1d)
         s["es"].mul_(b2).addcmul_(gv, gv, value=1 - b2)
         denom = (s["es"].sqrt() / math.sqrt(1 - b2 ** k)).add_(eps)
         m.addcdiv_(s["ea"], denom, value=-lr / (1 - b1 ** k))
@@ -132,7 +134,7 @@ def main() -> None:
             coef = (1.0 / (total + 1e-6)).clamp(max=1.0)
             for g in grads:
                 g.mul_(coef)
-        lr = lr_at(t)
+        lr = lr_at(t) * (a.lr_delayed if pending else 1.0)
         lam = a.lam / lr if (a.lam_per_lr and lr > 0) else a.lam
         with torch.no_grad():
             for q, m in zip(before, masters):
@@ -184,7 +186,8 @@ def main() -> None:
                     s["gpp"], s["gp"], s["wp"] = s["gp"], g.clone(), w
                     if a.bf16_buf:
                         s["gp"] = s["gp"].bfloat16().float()   # (W_prev kept exact; dw and m-W rounded at use)
-                adamw(m, s, gc, gc if a.corr_v else g, lr)
+                adamw(m, s, gc, gc if a.corr_v else g, lr,
+                      a.b1_delayed if (pending and a.b1_delayed is not None) else b1)
             if a.pred == "ema":
                 for m, q, s in zip(masters, before, S):
                     s["d"].mul_(a.gamma).add_(m - q, alpha=1 - a.gamma)
