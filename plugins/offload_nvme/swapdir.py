@@ -81,8 +81,8 @@ def check_path(nvme_path: str, key: str = "nvme_path") -> str:
     return path
 
 
-def _discard(d: str) -> bool:
-    """Remove the directory ``d``; whether nothing of it is left.
+def _discard(d: str) -> str | None:
+    """Remove the directory ``d``; what is left of it (None: nothing).
 
     Note: ``d`` is first renamed to a hidden ``.<name>.del``, then emptied. A removal cut
     short (SIGTERM's default action arriving mid-way, a kill) then leaves garbage by its
@@ -101,9 +101,9 @@ def _discard(d: str) -> bool:
     for _ in range(3):
         shutil.rmtree(doomed, ignore_errors=True)
         if not os.path.lexists(doomed):
-            return True
+            return None
         time.sleep(0.05)    # a transfer that opened its file before the rename
-    return False
+    return doomed
 
 
 def remove_run_dir(d: str, lock) -> None:
@@ -115,13 +115,13 @@ def remove_run_dir(d: str, lock) -> None:
 
 def _remove_stale(d: str, lock, rec: dict | None, why: str) -> tuple[str, int] | None:
     size = _tree_bytes(d)
-    gone = _discard(d)
+    left = _discard(d)
     if lock is not None:
         lock.release(remove=False)          # the file went with the directory
     who = f"pid {rec.get('pid', '?')} on host {rec.get('host', '?')}" if rec else "an unknown process"
-    if not gone:
+    if left:
         log.warning("NVMe swap: found the stale swap directory %s (%s) of %s, but could not remove it; remove "
-                    "it by hand", d, _fmt_bytes(size), who)
+                    "%s by hand", d, _fmt_bytes(size), who, left)
         return None
     log.warning("NVMe swap: removed the stale swap directory %s (%s) left by a run that ended without cleaning "
                 "up (%s; %s)", d, _fmt_bytes(size), who, why)
