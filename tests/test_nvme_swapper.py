@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -318,8 +319,10 @@ def test_removal_racing_a_writer_leaves_nothing(tmp_path):
 
     t = threading.Thread(target=writer)
     t.start()
-    while len(created) < 50:
-        pass
+    deadline = time.monotonic() + 10
+    while len(created) < 50 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert created, "the writer never wrote"
     swdir.remove_run_dir(d, lock)
     stop.set()
     t.join()
