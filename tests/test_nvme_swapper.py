@@ -340,6 +340,20 @@ def test_a_directory_left_while_being_removed_is_garbage(tmp_path, caplog):
     assert not left.exists() and "being removed" in caplog.text
 
 
+def test_a_directory_its_owner_is_removing_is_left_to_it(tmp_path):
+    """Ranks ending together: one empties its ``.del`` directory, still holding its lock,
+    while the other cleans up; the other leaves it alone (no warning of a stale directory)."""
+    busy = _fake_dir(tmp_path, os.getpid(), name=".zeroplug-swap-9-0000beef.del")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(busy / ".lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert clean_stale(str(tmp_path)) == [] and busy.exists()
+    finally:
+        holder.communicate("")
+    assert [d for d, _ in clean_stale(str(tmp_path))] == [str(busy)]       # its owner is gone
+
+
 def test_a_cleaner_cut_short_leaves_garbage_the_next_one_removes(tmp_path, monkeypatch):
     """A cleaner killed mid-removal (SIGTERM's default action during atexit's cleanup) must
     not leave the dead run's directory under its live name without its lock file."""

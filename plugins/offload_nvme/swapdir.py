@@ -138,8 +138,17 @@ def clean_stale(nvme_path: str) -> list[tuple[str, int]]:
     except OSError:
         return removed
     for name in names:
-        if _DEL_RE.match(name):     # garbage by its name: its owner was removing it
-            found = _remove_stale(os.path.join(nvme_path, name), None, None, "left while it was being removed")
+        if _DEL_RE.match(name):     # garbage by its name, unless its owner is removing it now
+            d, lock = os.path.join(nvme_path, name), None
+            if os.path.lexists(os.path.join(d, LOCK)):
+                try:
+                    lock = try_lock(os.path.join(d, LOCK), create=False, record=False)
+                except OSError:     # no locks on this filesystem: garbage by its name
+                    pass
+                else:
+                    if lock is None:
+                        continue    # held: a rank beside this one is emptying it
+            found = _remove_stale(d, lock, None, "left while it was being removed")
             removed += [found] if found else []
             continue
         staging = _NEW_RE.match(name)
