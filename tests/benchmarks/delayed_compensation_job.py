@@ -107,11 +107,11 @@ def main() -> None:
                 p.copy_(m - a.alpha * lr_next * (mhat / (vhat.sqrt() + eps) + wd * m))
 
     @torch.no_grad()
-    def adamw(m, s, gm, gv, lr, b1d=b1):
+    def adamw(m, s, gm, gv, lr, beta1):
         s["k"] += 1
         k = s["k"]
         m.mul_(1 - lr * wd)
-        s["ea"].lerp_(gm, 1 - b1d)
+        s["ea"].lerp_(gm, 1 - beta1)
         s["es"].mul_(b2).addcmul_(gv, gv, value=1 - b2)
         denom = (s["es"].sqrt() / math.sqrt(1 - b2 ** k)).add_(eps)
         m.addcdiv_(s["ea"], denom, value=-lr / (1 - b1 ** k))
@@ -135,6 +135,7 @@ def main() -> None:
             for g in grads:
                 g.mul_(coef)
         lr = lr_at(t) * (a.lr_delayed if pending else 1.0)
+        beta1 = a.b1_delayed if (pending and a.b1_delayed is not None) else b1
         lam = a.lam / lr if (a.lam_per_lr and lr > 0) else a.lam
         with torch.no_grad():
             for q, m in zip(before, masters):
@@ -186,8 +187,7 @@ def main() -> None:
                     s["gpp"], s["gp"], s["wp"] = s["gp"], g.clone(), w
                     if a.bf16_buf:
                         s["gp"] = s["gp"].bfloat16().float()   # (W_prev kept exact; dw and m-W rounded at use)
-                adamw(m, s, gc, gc if a.corr_v else g, lr,
-                      a.b1_delayed if (pending and a.b1_delayed is not None) else b1)
+                adamw(m, s, gc, gc if a.corr_v else g, lr, beta1)
             if a.pred == "ema":
                 for m, q, s in zip(masters, before, S):
                     s["d"].mul_(a.gamma).add_(m - q, alpha=1 - a.gamma)
