@@ -33,6 +33,10 @@ class TierCapabilities:
     #: every state (or shard) stays in memory between uses; False: ``export(k)`` / ``fetch(u)``
     #: bring one in, and checkpoints stream one sub-group at a time
     in_memory: bool = True
+    #: elements the tier moves and steps best at a time (None: no preference). The stage cuts
+    #: its sub-groups, and below stage 3 its gradient buckets, at most this large; smaller
+    #: sizes from the config still win
+    granularity: int | None = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zeroplug.registry import PluginManager
 from zeroplug.testing import TierConformance
@@ -71,3 +72,56 @@ def test_a_tier_for_optimizer_states_only_is_refused_for_parameters():
     cfg = config("stage3", "compressed", params=True)
     with pytest.raises(zeroplug.ConfigError, match=r"offload.param.plugin = \"compressed\" holds only optimizer"):
         load(cfg, pm=pm)
+
+
+def _fine_tier_manager(granularity: int):
+    """A plugin manager with "fine": the cpu tier, asking for ``granularity`` elements at a time."""
+    import dataclasses
+
+    from zeroplug import hookimpl
+    from zeroplug.plugins.offload_cpu import CPUOffload
+
+    class Fine(CPUOffload):
+        @property
+        def capabilities(self):
+            return dataclasses.replace(super().capabilities, granularity=granularity)
+
+    class Plugin:
+        @hookimpl
+        def zeroplug_register_offload_devices(self, register):
+            register("fine", Fine)
+
+    pm = PluginManager()
+    pm.register(Plugin(), "fine")
+    return pm
+
+
+@pytest.mark.parametrize("stage", ["stage2", "stage3"])
+def test_the_stage_cuts_buckets_and_sub_groups_at_the_tiers_granularity(stage):
+    """The config asks for buckets and sub-groups of 5000 elements (the whole model); a tier
+    that takes 700 at a time gets sub-groups (and, below stage 3, buckets) of at most 700,
+    and the run stays bit for bit the one without offload."""
+    from zeroplug.testing import batches, config, engine, train, weights
+
+    def cfg(tier):
+        c = config(stage, tier)
+        c["zero"].update(reduce_bucket_size=5000, sub_group_size=5000)
+        return c
+    data = batches(3)
+    ref = engine(cfg(None))
+    ref_losses, ref_w = train(ref, data), weights(ref)
+    ref.close()
+    coarse = engine(cfg("cpu"))
+    assert len(coarse.partitioner.sub_group_ranges) == 1
+    coarse.close()
+    eng = engine(cfg("fine"), _fine_tier_manager(700))
+    part = eng.partitioner
+    sizes = [hi - lo for lo, hi in part.sub_group_ranges]
+    assert len(sizes) > 2 and max(sizes) <= 700, sizes
+    if stage == "stage2":
+        assert len(part.units) > 2 and max(u.hi - u.lo for u in part.units) <= 700
+    assert train(eng, data) == ref_losses
+    w = weights(eng)
+    eng.close()
+    for k in ref_w:
+        assert torch.equal(w[k], ref_w[k]), k

@@ -16,7 +16,7 @@ from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.options import opt
 from zeroplug.tiers import OffloadTier, TierCapabilities, reads_grad_dtype
 
-from .host import HostTier
+from .host import GRANULARITY, HostTier
 
 log = logging.getLogger("zeroplug")
 
@@ -90,7 +90,7 @@ class CPUOffload(HostTier):
     def capabilities(self) -> TierCapabilities:
         # Note: resident sub-groups' host states are stale between steps, so readers go
         # through export / import_, which copy them down and up.
-        return TierCapabilities(offloaded=True, in_memory=not self.resident_groups)
+        return TierCapabilities(offloaded=True, in_memory=not self.resident_groups, granularity=GRANULARITY)
 
     def resident_device_ok(self) -> bool:
         """Whether the training device can hold resident states (a GPU)."""

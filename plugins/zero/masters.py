@@ -54,14 +54,18 @@ def make_masters(part) -> None:
 
 
 def unit_groups(part) -> list[list]:
-    """Offloaded sub-groups: consecutive whole units up to sub_group_size elements (a
-    larger unit is a sub-group of its own), the same for every tier, so that moving
-    the optimizer between tiers changes no arithmetic; a parameter group never shares
-    a sub-group with another."""
+    """Offloaded sub-groups: consecutive whole units up to sub_group_size elements, or the
+    tier's granularity where that is smaller (a larger unit is a sub-group of its own); a
+    parameter group never shares a sub-group with another. The optimizer's arithmetic is
+    elementwise, so where sub-groups are cut changes no value."""
+    limit = part.options.sub_group_size
+    granularity = part.offload_optimizer.capabilities.granularity
+    if granularity:
+        limit = min(limit, granularity)
     groups, cur, n = [], [], 0
     for u in part.units:
         size = u.hi - u.lo
-        if cur and (n + size > part.options.sub_group_size or u.group != cur[-1].group):
+        if cur and (n + size > limit or u.group != cur[-1].group):
             groups.append(cur)
             cur, n = [], 0
         cur.append(u)

@@ -16,7 +16,8 @@ class ZeroOptions:
     reduce_bucket_size: int | Literal["auto"] = opt(
         AUTO, "Elements per gradient bucket reduced at a time during backward (stages 0-2: "
               "parameters are laid out, reduced and their fp32 gradients allocated in buckets of "
-              "this size); \"auto\" = hidden_size^2.", min=1)
+              "this size, or smaller where the optimizer's offload tier takes less at a time: 1e8 for "
+              "cpu); \"auto\" = hidden_size^2.", min=1)
     allgather_bucket_size: int = opt(5e8, "Elements all-gathered at a time when publishing updated "
                                           "parameters (stages 1-2).", min=1)
     overlap_comm: bool = opt(True, "Launch each bucket's reduction as soon as it fills, overlapping "
@@ -25,7 +26,8 @@ class ZeroOptions:
                                      "all-reduces them and keeps this rank's part.")
     contiguous_gradients: bool = opt(True, "Copy gradients into a contiguous bucket as they are "
                                            "produced (always on: kept for DeepSpeed configs).")
-    sub_group_size: int = opt(1e9, "Elements of a rank's shard stepped (and offloaded) at a time.", min=1)
+    sub_group_size: int = opt(1e9, "Elements of a rank's shard stepped (and offloaded) at a time, or fewer "
+                                   "where the offload tier takes less at a time (1e8 for cpu).", min=1)
     stage3_prefetch_bucket_size: int | Literal["auto"] = opt(
         AUTO, "Stage 3: elements gathered ahead of use, following the recorded order; "
               "\"auto\" = 0.9 x hidden_size^2.", min=0)

@@ -171,7 +171,8 @@ def main() -> None:
     steady = sorted(times[2:])[len(times[2:]) // 2] if len(times) > 2 else times[-1]
     res = {"system": args.system, "ds": args.ds, "model": args.model, "init_s": init_s, "times": times,
            "tokens_per_s": 8 * 1024 / steady,
-           "first_over_steady": times[0] / steady, "second_over_steady": times[1] / steady if len(times) > 1 else None}
+           "first_over_steady": times[0] / steady, "second_over_steady": times[1] / steady if len(times) > 1 else None,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     print("RESULT " + json.dumps(res), flush=True)
     runner.close()
 
