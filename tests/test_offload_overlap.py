@@ -29,6 +29,21 @@ def _run(rank, world):
             out[(prec, overlap)] = (losses, eng.consolidated_state_dict(),
                                     [t.detach().clone() for t in eng.partitioner.master_params()])
             eng.close()
+    # one rank's CPU step slower than the other's: the ranks must still gather the same
+    # units in the same order (a prefetch decided by this rank's progress would not)
+    import time
+
+    def make_slow(eng):
+        step_param = eng.optimizer.step_param
+
+        def slowed(*a, **k):
+            if rank == 1:
+                time.sleep(0.02)
+            return step_param(*a, **k)
+        eng.optimizer.step_param = slowed
+    losses, eng = engine_losses(ToyNet, STEPS, 8, _cfg("fp32", True, world), rank, world, after_init=make_slow)
+    out["slowed"] = (losses, eng.consolidated_state_dict())
+    eng.close()
     # a failure inside the worker: raised at the next use, not lost
     losses, eng = engine_losses(ToyNet, 2, 8, _cfg("fp32", True, world), rank, world)
 
@@ -67,6 +82,16 @@ def test_overlapped_equals_serial(results, prec):
         for a, b in zip(m0, m1):
             assert torch.equal(a, b)
     sd0, sd1 = results[0][(prec, False)][1], results[0][(prec, True)][1]
+    for k in sd0:
+        assert torch.equal(sd0[k], sd1[k]), k
+
+
+def test_ranks_stepping_at_different_speeds_gather_alike(results):
+    """Rank 1's CPU step is slower: rank 0 must not prefetch units that rank 1 does not
+    (with NCCL that is a hang; with gloo, collectives paired with the wrong unit)."""
+    for res in results:
+        assert res[("fp32", False)][0] == res["slowed"][0]
+    sd0, sd1 = results[0][("fp32", False)][1], results[0]["slowed"][1]
     for k in sd0:
         assert torch.equal(sd0[k], sd1[k]), k
 

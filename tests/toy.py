@@ -52,8 +52,10 @@ def reference_losses(model_fn, steps, global_batch, lr=1e-2, clip=0.0, weight_de
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_init=False, device=None):
-    """The same run through zeroplug; each rank takes its slice of the global batch."""
+def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_init=False, device=None,
+                  after_init=None):
+    """The same run through zeroplug; each rank takes its slice of the global batch
+    (``after_init(engine)`` runs before the first step)."""
     import zeroplug
     torch.manual_seed(0)
     if use_init:
@@ -62,6 +64,8 @@ def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_in
     else:
         model = model_fn()
     engine = zeroplug.initialize(model, config, device=device)
+    if after_init is not None:
+        after_init(engine)
     dev = engine.run.device
     per = global_batch // world
     losses = []

@@ -22,6 +22,7 @@ class Offloaded:
         self.part, self.tier = part, part.offload_optimizer
         self.gpu_norm = part.run.config.batch.gradient_accumulation_steps == 1
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=part.device)
+        self.waited: set[int] = set()     # sub-groups waited for since the step began
         units, sub_groups, off = [], [], 0
         for g in groups:
             start, pos = off, []
@@ -81,6 +82,7 @@ class Offloaded:
         self.tier.prepare(optimizer)
 
     def step(self, optimizer) -> None:
+        self.waited.clear()
         self.tier.step(optimizer)
 
     def wait_unit(self, u) -> None:
@@ -88,10 +90,20 @@ class Offloaded:
         k = self.sub_group_of.get(u.index)
         if k is not None:
             self.tier.wait(k)
+            self.waited.add(k)
 
-    def unit_ready(self, u) -> bool:
+    def unit_ready(self, u, by_timing: bool) -> bool:
+        """Whether ``u`` can be gathered without waiting for the step.
+
+        Note: with ``by_timing`` false the answer follows from this rank's program order
+        alone (no step in flight, or ``u``'s sub-group waited for since the step began), so
+        every rank gives the same one. A gather is a collective with several ranks: had
+        one rank's CPU step been further along than another's, they would prefetch
+        different units and their collectives would stop pairing up (a hang in NCCL)."""
         k = self.sub_group_of.get(u.index)
-        return k is None or self.tier.ready(k)
+        if k is None or not self.tier.in_flight():
+            return True
+        return self.tier.ready(k) if by_timing else k in self.waited
 
     def wait_all(self) -> None:
         self.tier.wait_all()

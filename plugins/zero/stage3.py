@@ -227,7 +227,7 @@ class Stage3(Stage2):
             if over or live + u.numel > self.options.stage3_max_live_parameters:
                 break
             first = False
-            if self.offload is not None and not self.offload.unit_ready(u):
+            if self.offload is not None and not self.offload.unit_ready(u, by_timing=self.layout_world == 1):
                 break                           # its sub-group is still stepping: fetched on use
             if not (self.params_offloaded and self.offload_param.prefetch(u.index)):
                 self._start(u)                  # (a shard out of memory is only read ahead)

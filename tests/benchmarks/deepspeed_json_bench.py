@@ -53,7 +53,7 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     t_init = time.perf_counter()
-    engine, model = build_engine(args.engine, path, ds, mcfg)
+    engine, model = build_engine(args.engine, path, ds, mcfg, args.set)
     init_s = time.perf_counter() - t_init
     micro = ds["train_micro_batch_size_per_gpu"]
     g = torch.Generator(device=dev).manual_seed(rank)
@@ -101,18 +101,20 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     return res
 
 
-def build_engine(kind: str, path: Path, ds: dict, mcfg):
+def build_engine(kind: str, path: Path, ds: dict, mcfg, overrides=()):
     """The JSON as-is: zeroplug's engine, or DeepSpeed's own (``--engine deepspeed``, when
-    DeepSpeed is installed; its CPU Adam is built just in time on a machine's first run)."""
+    DeepSpeed is installed; its CPU Adam is built just in time on a machine's first run).
+    ``overrides``: zeroplug KEY=VALUE settings over the JSON (``--set``; not as-is then)."""
     if kind == "deepspeed":
         from zeroplug.benchmarking.measure import deepspeed_engine
         return deepspeed_engine(lambda: GPT(mcfg), ds)
+    config = zeroplug.load_config(str(path), list(overrides)) if overrides else str(path)
     if ds["zero_optimization"]["stage"] == 3:
-        with zeroplug.init(str(path)):
+        with zeroplug.init(config):
             model = GPT(mcfg)
     else:
         model = GPT(mcfg)
-    return zeroplug.initialize(model, str(path)), model
+    return zeroplug.initialize(model, config), model
 
 
 def sync_time(sync: bool) -> float:
@@ -130,8 +132,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--engine", choices=["zeroplug", "deepspeed"], default="zeroplug",
                    help="deepspeed: run DeepSpeed itself on the same JSON (when installed), for a measured peer")
-    p.add_argument("--log", action="store_true",
-                   help="zeroplug's INFO lines (kernel warm-up, threads) and each step's time")
+    p.add_argument("--log", "--info", action="store_true",
+                   help="zeroplug's INFO lines (kernel warm-up, threads) and each step's time "
+                        "(--info under torchrun, which reads --log as its own --log-dir)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a zeroplug setting over the JSON (offload.optimizer.gpu_step_ratio=0); not as-is then")
     p.add_argument("--phases", action="store_true",
                    help="synchronise after forward and backward and print each phase's time (slows the step)")
     p.add_argument("--trace-stalls", type=float, default=0.0, metavar="S",
