@@ -253,3 +253,21 @@ def test_offload_states_round_trip_with_resident_states(resident_anywhere, tmp_p
     for a, b in zip(straight, _masters(eng)):
         assert torch.equal(a, b)
     eng.close()
+
+
+def test_auto_steps_on_the_gpu_only_for_one_rank_per_host(monkeypatch):
+    """"auto" streams a share to the GPU beside the overlapped stage-3 step of a GPU run with
+    one rank on the host; with several local ranks (torchrun's LOCAL_WORLD_SIZE) it is 0."""
+    from zeroplug.plugins.offload_cpu import AUTO_GPU_STEP_RATIO
+    cfg = _cfg("stage3", "fp32", "auto", 1)
+    cfg["offload"]["param"] = {"plugin": "cpu"}
+    losses, eng = engine_losses(ToyNet, 1, 8, cfg)
+    tier = eng.offload_optimizer
+    assert tier.layout.gathers_per_unit and tier.gpu_step_ratio() == 0.0     # a CPU run
+    monkeypatch.setattr(tier, "cuda", True)                                   # the rule on a GPU
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert tier.gpu_step_ratio() == AUTO_GPU_STEP_RATIO
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert tier.gpu_step_ratio() == 0.0
+    monkeypatch.setattr(tier, "cuda", False)
+    eng.close()
