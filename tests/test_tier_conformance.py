@@ -42,9 +42,23 @@ class TestExampleTier(TierConformance):
         return type(self)._pm
 
 
+def _manager_with_tier(name: str, cls) -> PluginManager:
+    """A plugin manager with the tier class ``cls`` registered as ``name``, as a third-party
+    plugin registers it."""
+    from zeroplug import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def zeroplug_register_offload_devices(self, register):
+            register(name, cls)
+
+    pm = PluginManager()
+    pm.register(Plugin(), name)
+    return pm
+
+
 def test_suite_catches_a_tier_that_breaks_the_contract(tmp_path):
     """A tier that publishes nothing (the shards never change) fails the exactness check."""
-    from zeroplug import hookimpl
     from zeroplug.plugins.offload_cpu import CPUOffload
     from zeroplug.testing import check_exact
 
@@ -53,13 +67,7 @@ def test_suite_catches_a_tier_that_breaks_the_contract(tmp_path):
         def publish_master(self, master, a, k):
             pass
 
-    class Plugin:
-        @hookimpl
-        def zeroplug_register_offload_devices(self, register):
-            register("lazy", Lazy)
-
-    pm = PluginManager()
-    pm.register(Plugin(), "lazy")
+    pm = _manager_with_tier("lazy", Lazy)
     with pytest.raises(AssertionError, match="lazy at stage2"):
         check_exact("lazy", {}, "stage2", plugin_manager=pm)
 
@@ -78,7 +86,6 @@ def _fine_tier_manager(granularity: int):
     """A plugin manager with "fine": the cpu tier, asking for ``granularity`` elements at a time."""
     import dataclasses
 
-    from zeroplug import hookimpl
     from zeroplug.plugins.offload_cpu import CPUOffload
 
     class Fine(CPUOffload):
@@ -86,14 +93,7 @@ def _fine_tier_manager(granularity: int):
         def capabilities(self):
             return dataclasses.replace(super().capabilities, granularity=granularity)
 
-    class Plugin:
-        @hookimpl
-        def zeroplug_register_offload_devices(self, register):
-            register("fine", Fine)
-
-    pm = PluginManager()
-    pm.register(Plugin(), "fine")
-    return pm
+    return _manager_with_tier("fine", Fine)
 
 
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])

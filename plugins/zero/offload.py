@@ -97,9 +97,11 @@ class Offloaded:
 
         Note: with ``by_timing`` false the answer follows from this rank's program order
         alone (no step in flight, or ``u``'s sub-group waited for since the step began), so
-        every rank gives the same one. A gather is a collective with several ranks: had
-        one rank's CPU step been further along than another's, they would prefetch
-        different units and their collectives would stop pairing up (a hang in NCCL)."""
+        every rank gives the same one. With several ranks a gather is a collective; decided
+        by each rank's CPU-step progress, the ranks started their gathers at different points
+        of the forward, and on two GPUs (NCCL, 1.3B stage 3 + CPU offload) the job hung in
+        2 runs of 2; decided by program order it ran to the end in 5 of 5
+        (docs/benchmarks.md, "DeepSpeed's JSON as it is")."""
         k = self.sub_group_of.get(u.index)
         if k is None or not self.tier.in_flight():
             return True
