@@ -59,11 +59,23 @@ def _run(rank, world):
                 time.sleep(0.02)
             return step_param(*a, **k)
         eng.optimizer.step_param = slowed
+    from zeroplug.plugins.zero.unit import Unit
+    start_gather, gathers = Unit.start_gather, []
+
+    def logged(unit, *a, **k):         # the order of this rank's gathers (collectives)
+        gathers.append(unit.index)
+        return start_gather(unit, *a, **k)
     for overlap in (False, True):
-        losses, eng = engine_losses(SharedNet, STEPS, 8, _cfg("fp32", overlap, world), rank, world,
-                                    after_init=make_slow)
+        gathers.clear()
+        Unit.start_gather = logged
+        try:
+            losses, eng = engine_losses(SharedNet, STEPS, 8, _cfg("fp32", overlap, world), rank, world,
+                                        after_init=make_slow)
+        finally:
+            Unit.start_gather = start_gather
         out[("slowed", overlap)] = (losses, eng.consolidated_state_dict())
         out[("prefetches", overlap)] = eng.partitioner.prefetch_count
+        out[("gathers", overlap)] = list(gathers)
         eng.close()
     # a failure inside the worker: raised at the next use, not lost
     losses, eng = engine_losses(ToyNet, 2, 8, _cfg("fp32", True, world), rank, world)
@@ -109,9 +121,10 @@ def test_overlapped_equals_serial(results, prec):
 
 def test_ranks_stepping_at_different_speeds_gather_alike(results):
     """Rank 1's CPU step is slower than rank 0's, in a model with a module used twice: both
-    ranks prefetch the same units (decided by program order: with each rank's own progress
-    they prefetched 31 and 19 times, and a two-GPU job hung), and the overlapped step still
-    equals the serial one."""
+    ranks start the same gathers in the same order and prefetch the same units (decided by
+    program order; decided by each rank's own progress they prefetched 63 and 35 times, and
+    a two-GPU job hung), and the overlapped step still equals the serial one."""
+    assert results[0][("gathers", True)] == results[1][("gathers", True)]
     assert results[0][("prefetches", True)] == results[1][("prefetches", True)] > 0
     for res in results:
         assert res[("slowed", False)][0] == res[("slowed", True)][0]
