@@ -125,3 +125,25 @@ def test_the_stage_cuts_buckets_and_sub_groups_at_the_tiers_granularity(stage):
     eng.close()
     for k in ref_w:
         assert torch.equal(w[k], ref_w[k]), k
+
+
+def test_deepspeed_sizes_with_the_cpu_tier(caplog):
+    """DeepSpeed's reduce_bucket_size 5e8 becomes buckets of 1e8 with the cpu tier (said at
+    INFO) and stays 5e8 without offload."""
+    import logging
+
+    from zeroplug.testing import config, engine
+
+    def cfg(tier):
+        c = config("stage2", tier)
+        c["zero"].update(reduce_bucket_size=5e8, sub_group_size=1e9)
+        return c
+    with caplog.at_level(logging.INFO, logger="zeroplug"):
+        eng = engine(cfg("cpu"))
+    assert eng.offload_optimizer.capabilities.granularity == 100_000_000
+    assert eng.partitioner.bucket_size == 100_000_000
+    assert "gradient buckets of 100000000 elements (reduce_bucket_size 500000000" in caplog.text
+    eng.close()
+    eng = engine(cfg(None))
+    assert eng.partitioner.bucket_size == 500_000_000
+    eng.close()

@@ -1,6 +1,7 @@
 """Options of the ``[zero]`` table, shared by the stage plugins (DeepSpeed's names)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,19 @@ class ZeroOptions:
                "(on one rank a cast on the compute stream: nothing prefetched or kept for reuse).")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")
+
+
+def bucket_elements(options: ZeroOptions, hidden: int, granularity: int | None) -> int:
+    """Elements per gradient bucket (stages 0-2): ``reduce_bucket_size`` ("auto" = hidden^2),
+    at most the optimizer tier's granularity, since a bucket is what the tier receives
+    gradients in (see ``TierCapabilities``)."""
+    size = hidden * hidden if options.reduce_bucket_size == "auto" else int(options.reduce_bucket_size)
+    if granularity and granularity < size:
+        logging.getLogger("zeroplug").info(
+            "zero: gradient buckets of %d elements (reduce_bucket_size %d; the optimizer's tier takes "
+            "at most %d at a time)", granularity, size, granularity)
+        return granularity
+    return size
 
 
 def check_stage_config(cls, config, choice) -> None:

@@ -15,8 +15,6 @@ the master gradients are slices of the flat gradient buffer: no copies at all.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from zeroplug.errors import StateError
@@ -27,7 +25,7 @@ from zeroplug.slots import Partitioner, takes_grad_scale
 from zeroplug.tiers import all_exported
 
 from .masters import make_masters
-from .options import ZeroOptions
+from .options import ZeroOptions, bucket_elements
 from .unit import Unit
 
 
@@ -65,14 +63,8 @@ class FlatPartitioner(Partitioner):
         self.offload_optimizer, self.offload_param = offload_optimizer, offload_param
         h = hidden_size(module)
         o = self.options
-        self.bucket_size = h * h if o.reduce_bucket_size == "auto" else o.reduce_bucket_size
-        granularity = offload_optimizer.capabilities.granularity
-        if granularity and granularity < self.bucket_size and not self.shard_params:
-            # Note: the bucket is the unit the tier receives gradients in; see TierCapabilities
-            logging.getLogger("zeroplug").info(
-                "zero: gradient buckets of %d elements (reduce_bucket_size %d; the optimizer's "
-                "tier takes at most %d at a time)", granularity, self.bucket_size, granularity)
-            self.bucket_size = granularity
+        self.bucket_size = bucket_elements(o, h, None if self.shard_params else
+                                           offload_optimizer.capabilities.granularity)
         self._pending: list = []       # (unit, handle, out) reductions in flight
         self._gather_late = False      # the shards change when the tier's step in flight ends
         self._prepare_module(module)
