@@ -67,7 +67,6 @@ def bucket_elements(options: ZeroOptions, hidden: int, granularity: int | None) 
 
 def check_stage_config(cls, config, choice) -> None:
     """The rules of a stage class (``cls.stage``, ``cls.shard_params``) on the whole config."""
-    import logging
 
     from zeroplug.config import SLOT_TABLES
     from zeroplug.errors import ConfigError
