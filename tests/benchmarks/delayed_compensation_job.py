@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="model init and data seed")
     ap.add_argument("--b1-delayed", type=float, default=None, help="Adam's beta1 once the delay runs")
     ap.add_argument("--lr-delayed", type=float, default=1.0, help="the learning rate's factor once the delay runs")
+    ap.add_argument("--lr-scale", type=float, default=1.0, help="the whole schedule's factor (exact steps too)")
     ap.add_argument("--log", type=int, default=0, help="print train loss every N steps")
     a = ap.parse_args()
     if a.variant == "predict":
@@ -128,13 +129,13 @@ def main() -> None:
         for p in params:
             p.grad = None
         if t >= warmup:             # step t+1 is delayed: publish before update t (state after update t-1)
-            publish_pred(lr_at(t))
+            publish_pred(lr_at(t) * a.lr_scale)
         with torch.no_grad():       # clip_grad_norm_(masters, 1.0) on the gradient tensors
             total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             coef = (1.0 / (total + 1e-6)).clamp(max=1.0)
             for g in grads:
                 g.mul_(coef)
-        lr = lr_at(t) * (a.lr_delayed if pending else 1.0)
+        lr = lr_at(t) * a.lr_scale * (a.lr_delayed if pending else 1.0)
         beta1 = a.b1_delayed if (pending and a.b1_delayed is not None) else b1
         lam = a.lam / lr if (a.lam_per_lr and lr > 0) else a.lam
         with torch.no_grad():
