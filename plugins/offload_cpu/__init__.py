@@ -68,7 +68,8 @@ class CPUOptions:
     delayed_update: bool = opt(
         False, "ZeRO-Offload's one-step delayed parameter update: after delayed_update_warmup exact steps, the "
                "CPU step of step t runs during the forward and backward of step t+1, which therefore sees the "
-               "parameters of step t-1 (stale by one step; not bit-identical to the exact path). Costs one more "
+               "parameters of step t-1 (stale by one step; not bit-identical to the exact path). It costs loss: "
+               "12.8% held-out on the built-in job, more on longer runs (docs/benchmarks.md). Costs one more "
                "host gradient buffer and one host model-dtype copy per element. docs/architecture.md, "
                "\"Delayed parameter update\", has what each forward sees and what a checkpoint holds.")
     delayed_update_warmup: int = opt(40, "Exact optimizer steps (counted by the optimizer's own step count, "
