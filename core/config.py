@@ -8,6 +8,7 @@ the plugin's ``Options`` dataclass. Tables that belong to no slot (``[batch]``,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 @dataclass(frozen=True)
 class BatchOptions:
+    """Batch sizes, clipping, the metrics line, and the first step's CUDA warm-up."""
     micro_batch_size: int | Literal["auto"] = opt(
         AUTO, "Samples per rank per forward pass (DeepSpeed: train_micro_batch_size_per_gpu).",
         min=1, alias=("train_micro_batch_size_per_gpu",))
@@ -36,10 +38,16 @@ class BatchOptions:
               "micro_batch_size x gradient_accumulation_steps x world size.", min=1)
     gradient_clipping: float = opt(0.0, "Clip gradients to this global L2 norm; 0 disables.", min=0.0)
     steps_per_print: int = opt(10, "Print one metrics line every this many optimizer steps.", min=1)
+    warm_up_rows: int = opt(
+        8192, "On a GPU, `initialize` runs each distinct nn.Linear shape of the model forward and "
+              "backward once at this many rows (tokens of a micro batch; fewer where one output "
+              "would pass 512 MiB), so that the first step does not pay cuBLAS's set-up and the "
+              "first load of its kernels; 0 turns this warm-up off.", min=0)
 
 
 @dataclass(frozen=True)
 class CheckpointOptions:
+    """Checkpoints that `zeroplug train` writes."""
     dir: str = opt("", "Directory for checkpoints written by `zeroplug train`; empty disables them.")
     every_n_steps: int = opt(0, "Save a checkpoint every N optimizer steps; 0 disables.", min=0)
     keep_last: int = opt(0, "Keep only the K newest checkpoints; 0 keeps all.", min=0)
@@ -154,8 +162,7 @@ def _resolve_batch(b: BatchOptions, world: int) -> BatchOptions:
             f"batch sizes disagree: train_batch_size = {tbs}, but micro_batch_size ({mbs}) x "
             f"gradient_accumulation_steps ({gas}) x world size ({world}) = {mbs * gas * world}. "
             f"Set train_batch_size = \"auto\" or make the product equal it", key="batch.train_batch_size")
-    return BatchOptions(micro_batch_size=mbs, gradient_accumulation_steps=gas, train_batch_size=tbs,
-                        gradient_clipping=b.gradient_clipping, steps_per_print=b.steps_per_print)
+    return dataclasses.replace(b, micro_batch_size=mbs, gradient_accumulation_steps=gas, train_batch_size=tbs)
 
 
 def _check_shared(table, name: str, options_cls) -> None:

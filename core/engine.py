@@ -21,6 +21,7 @@ import torch
 
 from . import config as config_mod
 from .comm import Comm
+from .cuda_warmup import warm_up_cuda
 from .errors import StateError, StepFailedError
 from zeroplug.observe.metrics import StepMetrics
 from .registry import get_plugin_manager
@@ -104,6 +105,7 @@ class Engine:
         self.metrics = StepMetrics(self.run.device)
         self.phase_clock = self.metrics.clock     # phase_* metrics on reported steps
         self._set_lr(self.scheduler.lr_at(0))
+        warm_up_cuda(model, self.precision.param_dtype, run.device, b.warm_up_rows)
         factory.ready()
         self.hook.zeroplug_engine_created(engine=self)
 
