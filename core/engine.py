@@ -21,9 +21,9 @@ import torch
 
 from . import config as config_mod
 from .comm import Comm
-from .cuda_warmup import warm_up_cuda
 from .errors import StateError, StepFailedError
 from zeroplug.observe.metrics import StepMetrics
+from zeroplug.warmup import warm_up_cuda
 from .registry import get_plugin_manager
 from .slots import RunContext, takes_grad_scale
 

@@ -1,9 +1,9 @@
-"""The CUDA warm-up ``initialize`` runs (core/cuda_warmup.py): what it plans, that it runs
+"""The CUDA warm-up ``initialize`` runs (zeroplug.warmup): what it plans, that it runs
 on throw-away tensors only, and (on a GPU) that training is bit-for-bit the same with it."""
 import pytest
 import torch
 
-from zeroplug.cuda_warmup import MAX_OUTPUT_BYTES, MAX_SHAPES, plan, run_plan
+from zeroplug.warmup import MAX_OUTPUT_BYTES, MAX_SHAPES, plan, run_plan
 from zeroplug.errors import ConfigError
 from zeroplug.workload.models import GPT, get_preset
 from toy import ToyNet, engine_losses
