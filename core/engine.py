@@ -105,7 +105,8 @@ class Engine:
         self.metrics = StepMetrics(self.run.device)
         self.phase_clock = self.metrics.clock     # phase_* metrics on reported steps
         self._set_lr(self.scheduler.lr_at(0))
-        warm_up_cuda(model, self.precision.param_dtype, run.device, b.warm_up_rows)
+        warm_up_cuda(model, self.precision.param_dtype, run.device, b.warm_up_rows, run.comm,
+                     self.precision.reduce_dtype)
         factory.ready()
         self.hook.zeroplug_engine_created(engine=self)
 

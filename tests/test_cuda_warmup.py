@@ -53,3 +53,21 @@ def test_training_is_the_same_with_and_without_the_warm_up(stage):
         return engine_losses(ToyNet, 6, 8, cfg, device="cuda")[0]
 
     assert losses(4096) == losses(0)
+
+
+def _collectives_worker(rank, world):
+    import torch.distributed as dist
+    from zeroplug.comm import Comm
+    from zeroplug.warmup import warm_up_collectives
+    comm = Comm()
+    n = warm_up_collectives(comm, torch.device("cpu"), (torch.bfloat16, torch.float32, torch.float32))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)                   # the ranks still agree on the next collective
+    return n, t.tolist()
+
+
+def test_every_rank_runs_the_same_collectives():
+    from distributed import run_ranks
+    results = run_ranks(_collectives_worker, 2)
+    assert [r[0] for r in results] == [12, 12]        # 2 dtypes x 2 sizes x 3 collectives
+    assert all(r[1] == [3.0] * 4 for r in results)

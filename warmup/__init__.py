@@ -11,6 +11,12 @@ distinct ``nn.Linear`` shape at ``batch.warm_up_rows`` rows on throw-away tensor
 parameter, gradient or optimizer state is touched, and under stage 3 the modules'
 partitioned weights are never gathered (the shapes come from ``in_features`` /
 ``out_features``).
+
+Note: with several ranks, NCCL connects each algorithm's channels when a collective first
+uses it (lazily, since NCCL 2.22) and CUDA loads its kernels on first use, and the first
+reduce-scatter of a stage-2 run comes in the first backward. So every rank also runs each
+collective the stages use (all-reduce, reduce-scatter, all-gather) once at a small and once
+at a large size, in the model's and the reduction's dtypes, on throw-away buffers.
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ log = logging.getLogger("zeroplug")
 
 #: the largest output one warm-up matmul allocates; rows are cut to fit (a vocabulary head)
 MAX_OUTPUT_BYTES = 512 << 20
+#: elements per rank of each warm-up collective: a small message and a large one (NCCL picks
+#: its algorithm and protocol by size, and connects each on first use)
+COLLECTIVE_ELEMENTS = (1 << 10, 1 << 23)
 #: distinct shapes warmed at most (LoRA adapters and the like add many small ones)
 MAX_SHAPES = 32
 
@@ -61,19 +70,44 @@ def run_plan(shapes, dtype: torch.dtype, device: torch.device) -> int:
     return done
 
 
-def warm_up_cuda(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, rows: int) -> None:
-    """The warm-up of ``model``'s Linear shapes at ``rows`` rows in ``dtype``; nothing on a
-    device other than CUDA or with ``rows == 0``."""
+def warm_up_collectives(comm, device: torch.device, dtypes) -> int:
+    """All-reduce, reduce-scatter and all-gather of each dtype in ``dtypes``, at
+    ``COLLECTIVE_ELEMENTS`` elements per rank each, on ``comm``; how many ran (0 with one
+    rank). Every rank must call it with the same dtypes, as every collective."""
+    if not comm.distributed:
+        return 0
+    n = 0
+    for dtype in dict.fromkeys(dtypes):
+        for numel in COLLECTIVE_ELEMENTS:
+            shard = torch.zeros(numel, device=device, dtype=dtype)
+            full = torch.zeros(numel * comm.world_size, device=device, dtype=dtype)
+            comm.all_reduce(shard)
+            comm.reduce_scatter(shard, full)
+            comm.all_gather(full, shard)
+            n += 3
+            del shard, full
+    return n
+
+
+def warm_up_cuda(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, rows: int,
+                 comm=None, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """The warm-up of ``model``'s Linear shapes at ``rows`` rows in ``dtype`` and, with
+    several ranks, of ``comm``'s collectives; nothing on a device other than CUDA or with
+    ``rows == 0``."""
     if device.type != "cuda" or rows <= 0:
         return
     t0 = time.perf_counter()
     shapes = plan(model, dtype, rows)
     with torch.cuda.device(device):
         done = run_plan(shapes, dtype, device)
+        # Note: after an out-of-memory on one rank the others still run the collectives
+        # (a rank that skipped them would leave the rest waiting)
+        collectives = warm_up_collectives(comm, device, (dtype, reduce_dtype, torch.float32)) if comm else 0
         torch.cuda.synchronize(device)
     if done < len(shapes):
         log.info("[zeroplug] CUDA warm-up: out of device memory after %d of %d Linear shapes; "
                  "the first step loads the rest", done, len(shapes))
-    else:
-        log.info("[zeroplug] CUDA warm-up: cuBLAS set up and %d Linear shape(s) run forward and "
-                 "backward at up to %d rows in %.2f s (batch.warm_up_rows)", done, rows, time.perf_counter() - t0)
+    elif comm is None or comm.rank == 0:
+        log.info("[zeroplug] CUDA warm-up: cuBLAS set up, %d Linear shape(s) run forward and backward at "
+                 "up to %d rows, %d collective(s) in %.2f s (batch.warm_up_rows)", done, rows, collectives,
+                 time.perf_counter() - t0)
