@@ -108,6 +108,9 @@ class Engine:
         warm_up_cuda(model, self.precision.param_dtype, run.device, b.warm_up_rows, run.comm,
                      self.precision.reduce_dtype)
         factory.ready()
+        # Note: ranks end their set-up at different times (kernel loads, pinning); meeting
+        # here keeps that wait in initialize instead of in the first step's first collective
+        run.comm.barrier()
         self.hook.zeroplug_engine_created(engine=self)
 
     # -- the training step -------------------------------------------------------

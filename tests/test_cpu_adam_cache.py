@@ -218,3 +218,37 @@ def test_engine_starts_the_warm_up_before_the_stage_allocates(monkeypatch):
     assert ck._COMPILED.warming is None or ck._COMPILED.warming.is_set()
     assert not ck._COMPILED.eager_while_warming
     engine.close()
+
+
+# A process that ends while its own warm-up thread loads the kernel: the exit waits for the
+# load (a daemon thread cut off inside inductor's C++ code aborted the process).
+EXIT_DURING_LOAD = r"""
+import sys, time
+from pathlib import Path
+import torch
+from zeroplug.plugins.optim import cpu_adam_warmup
+from zeroplug.plugins.optim.cpu_adam import CPUAdam
+from zeroplug.plugins.optim.cpu_adam_warmup import WarmUp
+cpu_adam_warmup._import_compiler = cpu_adam_warmup._pick_vec_isa = lambda: None   # not what this is about
+
+class SlowLoad(CPUAdam):
+    def warm_up(self, keys, counts):
+        Path(sys.argv[1]).write_text("started")
+        time.sleep(1.5)
+        Path(sys.argv[1]).write_text("finished")
+        return {}
+
+opt = SlowLoad([torch.zeros(8)], lr=1e-3, threads=1)
+w = WarmUp(opt, [(True, torch.bfloat16, torch.bfloat16)], (1,), announce=False).start()
+while not Path(sys.argv[1]).exists():
+    time.sleep(0.01)
+"""     # ... and the script ends while the "load" sleeps
+
+
+def test_exit_waits_for_a_load_in_progress(tmp_path):
+    marker = tmp_path / "marker"
+    env = dict(os.environ, ZEROPLUG_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", EXIT_DURING_LOAD, str(marker)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert marker.read_text() == "finished"

@@ -28,6 +28,7 @@ others wait on a file lock in the cache directory, then load what it built.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 import torch
 
@@ -52,6 +54,8 @@ LOCK_NAME = "cpu_adam.lock"
 ISA_FILE = "vector_isa_checks.json"
 VARIANTS_FILE = "cpu_adam_variants.json"
 BUILD_LOG = "cpu_adam_build.log"
+#: the longest an exiting process waits for a kernel load or build of its own to end
+EXIT_WAIT_S = 120.0
 
 
 def cpu_tag() -> str:
@@ -150,6 +154,7 @@ class WarmUp:
         self._located = threading.Event()        # cache_dir and built_before are known
         self._named = threading.Event()          # the variants (and the child, if any) are known
         self._thread: threading.Thread | None = None
+        self._exiting = False
         self.optimizer, self.keys, self.thread_counts = None, [], ()
         if optimizer is not None:
             self.build(optimizer, keys, thread_counts)
@@ -181,9 +186,25 @@ class WarmUp:
         # test) must not hang or fail at exit; inductor writes its cache entries atomically,
         # so an interrupted build leaves nothing half-written (and a first build with
         # eager_while_building runs in a child process that finishes it regardless).
+        ref = weakref.ref(self)     # the hook must not keep the optimizer (and its states) alive
+        self._exit_hook = lambda: (ref() or _Gone)._at_exit()
+        atexit.register(self._exit_hook)
         self._thread = threading.Thread(target=self._run, name="zeroplug-cpu-adam-warmup", daemon=True)
         self._thread.start()
         return self
+
+    def _at_exit(self) -> None:
+        """Let a load or build in this process end before the interpreter does.
+
+        Note: a process that exits while the daemon thread is inside inductor's C++ loading
+        aborts ("terminate called without an active exception", exit code -6) after its
+        work is done: seen when a short run ended just as the child's first build finished
+        and this process began loading it. A thread still waiting for the child is told to
+        stop instead (the child finishes the build on its own)."""
+        self._exiting = True
+        t = self._thread
+        if t is not None and t.is_alive() and (self.child is None or self.child.poll() is not None):
+            t.join(timeout=EXIT_WAIT_S)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
@@ -234,8 +255,15 @@ class WarmUp:
                 return
             if self.child is not None:
                 self.child.wait()   # the build, elsewhere; what follows loads it
-            lock, more = _lock(lock_path, self.announce)
-            waited += more
+                if self._exiting:
+                    return
+            # Note: variants this machine built before only load (seconds), and the ranks of a
+            # host load them side by side: one after another, the last rank ended initialize
+            # seconds after the first, which then waited in step 1's first collective. A
+            # build takes the lock, so that one rank builds and the others load its result.
+            if not self.cached():
+                lock, more = _lock(lock_path, self.announce)
+                waited += more
             t1 = time.perf_counter()
             before = _cache_counters()
             result = self.optimizer.warm_up(self.keys, self.thread_counts)
@@ -261,6 +289,13 @@ class WarmUp:
                 lock.release()
             kernels._COMPILED.warm_up_threads.discard(me)
             self.done.set()
+            atexit.unregister(self._exit_hook)
+
+
+class _Gone:
+    @staticmethod
+    def _at_exit() -> None:
+        pass
 
 
 def _build_in_child(keys, thread_counts, cache_dir: str) -> subprocess.Popen | None:
