@@ -1,0 +1,26 @@
+#!/bin/bash
+# 2 GPUs, plain torchrun, defaults, with the collective warm-up: GPU tests; the table on a machine whose
+# cache lacks the 2-rank (fp32-gradient) kernel (first run), again once built (later run); rows alone
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+el() { echo $(( $(date +%s) - t0 )); }
+mkdir -p ~/.cache && tar xzf .dsdeps/kernel_cache.tgz -C ~/.cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -1
+nvidia-smi --query-gpu=name --format=csv,noheader; nproc
+env -u OUT timeout 150 python3 -m pytest -q -x tests/test_cuda_warmup.py tests/test_gpu.py -k "nccl or warm" -p no:cacheprovider > $OUT/gpu_tests.txt 2>&1
+echo "gpu tests rc=$? ($(el) s): $(tail -1 $OUT/gpu_tests.txt)"
+run() { local n=$1 t=$2; shift 2
+  [ $(el) -gt $((590 - t)) ] && { echo "skip $n"; return; }
+  env -u OUT timeout $t torchrun --nproc-per-node 2 tests/benchmarks/deepspeed_json_bench.py --steps 6 --info "$@" > $OUT/$n.txt 2>&1
+  echo "$n rc=$? ($(el) s)"
+  grep -h "^| stage\|CUDA warm-up\|kernel variant\|background process" $OUT/$n.txt | cut -c1-220 | sort -u | head -14
+}
+run table_first_run 150
+for i in $(seq 120); do pgrep -f zeroplug.plugins.optim.cpu_adam_warmup > /dev/null || break; sleep 2; done
+echo "build done ($(el) s)"
+run table_later 150
+run s2_offload_alone 100 --rows s2_offload
+run s3_offload_alone 100 --rows s3_offload
+run s3_alone 100 --rows s3
+tar czf $OUT/kernel_cache.tgz -C ~/.cache zeroplug
+echo "total $(el) s"
