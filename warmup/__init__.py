@@ -3,18 +3,18 @@ the later ones do.
 
 Note: a process's first matrix multiply creates cuBLAS's and cuBLASLt's handles and
 workspaces, and the first use of each GEMM kernel loads it (CUDA loads modules lazily).
-On one H100 with the 1.3B workload that made the first step 1.8x a steady one; the
-handles alone were about 0.15 s of it and the kernels of the model's own shapes most of
-the rest (the kernels cuBLAS picks depend on the row count: a warm-up at 256 rows saved
-little). The model's inputs are unknown before the first step, so the warm-up runs every
+On one H100 with the 1.3B workload the first step took 1.7-2.1x a steady one; the
+handles alone were about 0.1 s of it and the kernels of the model's own shapes another
+0.1 s (the kernels cuBLAS picks depend on the row count: a warm-up at 256 rows saved
+little; docs/benchmarks.md, "Cold start and the first steps"). The model's inputs are unknown before the first step, so the warm-up runs every
 distinct ``nn.Linear`` shape at ``batch.warm_up_rows`` rows on throw-away tensors: no
 parameter, gradient or optimizer state is touched, and under stage 3 the modules'
 partitioned weights are never gathered (the shapes come from ``in_features`` /
 ``out_features``).
 
-Note: with several ranks, NCCL connects each algorithm's channels when a collective first
-uses it (lazily, since NCCL 2.22) and CUDA loads its kernels on first use, and the first
-reduce-scatter of a stage-2 run comes in the first backward. So every rank also runs each
+Note: with several ranks, NCCL sets up an algorithm's connections when a collective first
+needs them (NCCL_RUNTIME_CONNECT, on by default since NCCL 2.22) and CUDA loads its kernels
+on first use, and the first reduce-scatter of a stage-2 run comes in its first backward. So every rank also runs each
 collective the stages use (all-reduce, reduce-scatter, all-gather) once at a small and once
 at a large size, in the model's and the reduction's dtypes, on throw-away buffers.
 """
