@@ -72,8 +72,12 @@ class Comm:
             dist.broadcast(t, src=src, group=self.group)
 
     def barrier(self) -> None:
+        """Every rank's host waits for the others (a one-element all-reduce read back: no
+        guess of the device, unlike torch's barrier with NCCL)."""
         if self.distributed:
-            dist.barrier(group=self.group)
+            flag = torch.zeros(1, device=self._wire())
+            dist.all_reduce(flag, group=self.group)
+            flag.item()
 
     # Note: torch's broadcast_object_list / all_gather_object go through numpy, which a
     # fresh install may lack; pickled bytes in a uint8 tensor need nothing more.
