@@ -24,7 +24,8 @@ background thread competing with the training loop for the interpreter (the firs
 ran 3-8x slower while the warm-up ran beside them). On the first run on a machine the
 build takes a minute or more; the steps then use the eager kernel until it is ready
 (``while_building``), or wait for it. On a host with several ranks, one builds while the
-others wait on a file lock in the cache directory, then load what it built.
+others wait on a file lock in the cache directory, then load what it built; variants built
+before load on every rank at once.
 """
 from __future__ import annotations
 
