@@ -188,8 +188,13 @@ class WarmUp:
         # so an interrupted build leaves nothing half-written (and a first build with
         # eager_while_building runs in a child process that finishes it regardless).
         ref = weakref.ref(self)     # the hook must not keep the optimizer (and its states) alive
-        self._exit_hook = lambda: (ref() or _Gone)._at_exit()
-        atexit.register(self._exit_hook)
+
+        def exit_hook() -> None:
+            warm_up = ref()
+            if warm_up is not None:
+                warm_up._at_exit()
+        self._exit_hook = exit_hook
+        atexit.register(exit_hook)
         self._thread = threading.Thread(target=self._run, name="zeroplug-cpu-adam-warmup", daemon=True)
         self._thread.start()
         return self
@@ -291,12 +296,6 @@ class WarmUp:
             kernels._COMPILED.warm_up_threads.discard(me)
             self.done.set()
             atexit.unregister(self._exit_hook)
-
-
-class _Gone:
-    @staticmethod
-    def _at_exit() -> None:
-        pass
 
 
 def _build_in_child(keys, thread_counts, cache_dir: str) -> subprocess.Popen | None:
