@@ -64,6 +64,11 @@ SLOT_TABLES = {
     "monitor": ("monitor", "stdout"),
 }
 CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions}
+#: Where DeepSpeed picks a strategy with a key of the table (zero_optimization.stage, offload's
+#: device, optimizer's type), a zeroplug slot picks its plugin by name: the key, and the
+#: plugin name its value becomes.
+DEEPSPEED_SELECTORS = {"zero": ("stage", "stage{}"), "offload.optimizer": ("device", "{}"),
+                       "offload.param": ("device", "{}"), "optimizer": ("type", "{}")}
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,12 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
         table = dict(raw.get("offload", {}).get(path.split(".")[1], {}) if path.startswith("offload.")
                      else raw.get(path, {}))
         name = table.pop("plugin", default)
+        if path in DEEPSPEED_SELECTORS and DEEPSPEED_SELECTORS[path][0] in table:
+            key, plugin = DEEPSPEED_SELECTORS[path]
+            value = plugin.format(str(table[key]).lower())
+            raise ConfigError(f"unknown key {path}.{key}: zeroplug picks the {slot} plugin by name, "
+                              f"[{path}] plugin = \"{value}\" (DeepSpeed's \"{key}\"); a DeepSpeed JSON "
+                              f"config is also accepted as it is", key=f"{path}.{key}")
         impl = pm.registry()[slot].get(name) if isinstance(name, str) else None
         for t in getattr(impl.impl, "shared_tables", ()) if impl else ():
             if t in raw:

@@ -30,6 +30,16 @@ from .slots import RunContext, takes_grad_scale
 log = logging.getLogger("zeroplug")
 
 
+def sequence_length(batch) -> int | None:
+    """Tokens per sample of a model input: dim 1 of the input ids, looking inside a batch passed
+    whole (a tuple, list or dict, as Lightning's ``training_step(batch, i)`` gets it)."""
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids", next(iter(batch.values()), None))
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0] if batch else None
+    return int(batch.shape[1]) if torch.is_tensor(batch) and batch.dim() >= 2 else None
+
+
 def _default_device() -> torch.device:
     """The device when none is given: ZEROPLUG_DEVICE (e.g. "cpu", "cuda:1") if set, else
     the current CUDA device, else the CPU."""
@@ -117,9 +127,7 @@ class Engine:
     def __call__(self, *inputs, **kwargs):
         self._require_states("forward")
         if self.tokens_per_sample is None:
-            first = kwargs.get("input_ids", inputs[0] if inputs else None)
-            if torch.is_tensor(first) and first.dim() >= 2:
-                self.tokens_per_sample = int(first.shape[1])
+            self.tokens_per_sample = sequence_length(kwargs.get("input_ids", inputs[0] if inputs else None))
         if torch.is_grad_enabled():   # a training forward, not an evaluation
             self.phase_clock.mark("forward")
         self.partitioner.before_forward()

@@ -51,22 +51,23 @@ def _env_list(var: str) -> set[str] | None:
 class PluginManager:
     """Holds the loaded plugins and, per slot, the implementations by name."""
 
-    def __init__(self, load_entry_points: bool = True):
+    def __init__(self, load_entry_points: bool = True, builtin_only: bool = False):
         self.pm = pluggy.PluginManager("zeroplug")
         self.pm.add_hookspecs(hookspecs)
         self.hook = self.pm.hook
         self.versions: dict[str, str] = {}
         self._registry: dict[str, dict[str, Registered]] | None = None
         if load_entry_points:
-            self.load_entry_points()
+            self.load_entry_points(builtin_only)
 
-    def load_entry_points(self) -> None:
+    def load_entry_points(self, builtin_only: bool = False) -> None:
+        """The plugins of the entry-point group (``builtin_only``: those zeroplug ships)."""
         allow = _env_list("ZEROPLUG_PLUGINS_ALLOW")
         block = _env_list("ZEROPLUG_PLUGINS_BLOCK") or set()
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             if ep.name in block or (allow is not None and ep.name not in allow):
                 continue
-            if self.pm.has_plugin(ep.name):
+            if self.pm.has_plugin(ep.name) or builtin_only and (ep.dist is None or ep.dist.name != "zeroplug"):
                 continue
             try:
                 module = ep.load()

@@ -31,11 +31,12 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def device_memory(device: torch.device) -> tuple[int, int]:
-    """(allocated, max allocated) bytes on a CUDA device; (0, 0) elsewhere."""
+def device_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """(allocated, max allocated) bytes on a CUDA device; (None, None) elsewhere (a CPU run
+    has no device memory apart from the host's, which the RSS reading covers)."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-    return 0, 0
+    return None, None
 
 
 MEMORY_CATEGORIES = ("lp_params", "master", "gradients", "optimizer", "buckets", "prefetch")

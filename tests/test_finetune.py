@@ -339,6 +339,15 @@ def test_tokens_are_counted_from_keyword_input_ids():
     assert engine.last_metrics["tokens_per_sec"] > 0
 
 
+def test_tokens_are_counted_from_a_batch_passed_whole():
+    """Lightning calls the model with the whole batch: (x, y) or a dict; 2-D inputs only."""
+    from zeroplug.engine import sequence_length
+    x = torch.zeros(4, 17, dtype=torch.long)
+    assert sequence_length((x, x)) == sequence_length([x]) == sequence_length({"input_ids": x}) == 17
+    assert sequence_length({"pixel_values": x}) == 17 and sequence_length(x) == 17
+    assert sequence_length(torch.zeros(4)) is None and sequence_length(()) is None and sequence_length(None) is None
+
+
 def _external_read_after_init(rank, world):
     import zeroplug
     cfg = R.config(3, world, stage3_param_persistence_threshold=0)

@@ -207,3 +207,15 @@ def test_duplicate_of_a_builtin_name(dists):
         registry.get_plugin_manager().registry()
     msg = str(info.value)
     assert "'adamw'" in msg and "'optim'" in msg and "'shadowplug'" in msg
+
+
+def test_configuration_page_is_generated_from_the_builtin_plugins(capsys):
+    """docs/configuration.md is `zeroplug docs` as it is, whatever third-party plugins are
+    installed beside (the example tier's package, in CI)."""
+    from pathlib import Path
+
+    from zeroplug.cli import main
+    assert main(["docs"]) == 0
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert capsys.readouterr().out == page, "regenerate: zeroplug docs > docs/configuration.md"
+    assert 'plugin = "compressed"' not in page

@@ -55,6 +55,18 @@ def test_tune_and_estimate_refuse_bad_input(tmp_path, capsys):
     assert "give --model, not --params" in capsys.readouterr().err
 
 
+def test_tune_fits_the_sequence_to_the_model(tmp_path, capsys):
+    """A preset shorter than 1024 positions is probed at its own length; a longer --seq is one line."""
+    out = tmp_path / "zero.toml"
+    assert main(["tune", "--model", "char-tiny", "--device", "cpu", "--activations-gib", "1e6", "-o", str(out)]) == 1
+    assert "sequence 128" in out.read_text()
+    capsys.readouterr()
+    assert main(["tune", "--model", "char-tiny", "--device", "cpu", "--seq", "4096", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --seq 4096: the model char-tiny takes at most 128 positions") and "Traceback" not in err
+    assert main(["estimate", "--model", "char-tiny", "--micro-batch", "2", "--seq", "4096", "--device", "cpu"]) == 2
+
+
 def test_estimate_adds_measured_activations_to_the_device_column(capsys):
     assert main(["estimate", "--model", "char-tiny"]) == 0
     plain = capsys.readouterr().out
@@ -110,6 +122,7 @@ def _train(tmp_path, *extra):
 def test_report_draws_a_csv_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     _train(tmp_path, "--monitor.plugin=csv", "--monitor.path=run.csv")
+    assert f"csv monitor: appending to {tmp_path / 'run.csv'}" in capsys.readouterr().out   # says where
     series = read_run(tmp_path / "run.csv")
     assert [s for s, _ in series["loss"]] == [1, 3, 6, 9, 12]
     assert [s for s, _ in series["eval_loss"]][0] == 0 and series["eval_loss"][-1][0] == 12
@@ -152,3 +165,13 @@ def test_report_reads_the_last_run_of_an_appended_csv(tmp_path):
     series = read_run(tmp_path / "m.csv")
     assert series["loss"] == [(1, 5.3), (2, 4.4)]
     assert series["eval_loss"] == [(0, 5.4), (2, 4.5)]
+
+
+def test_metrics_line_of_a_cpu_run_has_no_gpu_memory_fields():
+    from zeroplug.plugins.monitors import format_line
+    m = {"step": 1, "loss": 2.0, "lr": 1e-3, "loss_scale": 1.0, "grad_norm": 0.5, "samples_per_sec": 3.0,
+         "avg_samples_per_sec": 3.0, "tokens_per_sec": 96.0, "host_rss": 2 ** 30}
+    cpu = format_line({**m, "mem_allocated": None, "max_mem_allocated": None})
+    assert "MemAllocated" not in cpu and cpu.endswith("RSS=1.00GB")
+    gpu = format_line({**m, "mem_allocated": 2 ** 31, "max_mem_allocated": 2 ** 32})
+    assert "MemAllocated=2.00GB MaxMemAllocated=4.00GB RSS=1.00GB" in gpu

@@ -34,6 +34,7 @@ import torch
 from zeroplug.errors import ZeroplugError
 
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_POSITION_KEYS = ("max_position_embeddings", "n_positions")
 
 
 @dataclass
@@ -44,6 +45,16 @@ class ModelSpec:
     n_layer: int | None          # None: the depth cannot be changed (module:function)
     vocab_size: int
     hf: bool                     # batches are dicts of input_ids / labels
+    max_seq: int | None = None   # the longest sequence the model takes (positions), if it says
+
+    def seq_or_default(self, seq: int | None, option: str = "--seq") -> int:
+        """``seq`` checked against the model's positions; None: 1024, or the model's length if shorter."""
+        if seq is None:
+            return min(1024, self.max_seq) if self.max_seq else 1024
+        if self.max_seq and seq > self.max_seq:
+            raise ZeroplugError(f"{option} {seq}: the model {self.name} takes at most {self.max_seq} positions; "
+                                f"give {option} {self.max_seq} or less")
+        return seq
 
     def num_params(self) -> int:
         with torch.device("meta"):
@@ -67,7 +78,7 @@ def _preset(name: str, checkpointing: bool) -> ModelSpec:
 
     def build(layers):
         return GPT(cfg.with_(n_layer=layers) if layers else cfg)
-    return ModelSpec(name, build, cfg.n_layer, cfg.vocab_size, hf=False)
+    return ModelSpec(name, build, cfg.n_layer, cfg.vocab_size, hf=False, max_seq=cfg.seq_len)
 
 
 def _hf_config(path: Path, checkpointing: bool) -> ModelSpec:
@@ -96,7 +107,9 @@ def _hf_config(path: Path, checkpointing: bool) -> ModelSpec:
     vocab = getattr(base, "vocab_size", None)
     if not isinstance(vocab, int):
         raise ZeroplugError(f"{path}: the config has no vocab_size")
-    return ModelSpec(path.name, build, getattr(base, depth_key) if depth_key else None, vocab, hf=True)
+    positions = next((v for k in _POSITION_KEYS if isinstance(v := getattr(base, k, None), int)), None)
+    return ModelSpec(path.name, build, getattr(base, depth_key) if depth_key else None, vocab, hf=True,
+                     max_seq=positions)
 
 
 def _function(text: str, vocab_size: int | None) -> ModelSpec:
@@ -116,7 +129,10 @@ def _function(text: str, vocab_size: int | None) -> ModelSpec:
                                                                           "vocab_size", None)
     if not isinstance(vocab, int):
         raise ZeroplugError(f"--model {text}: the model has no config.vocab_size; give --vocab-size")
-    return ModelSpec(text, lambda layers: fn(), None, vocab, hf=hf)
+    positions = next((v for k in _POSITION_KEYS if isinstance(v := getattr(config, k, None), int)), None)
+    positions = positions or getattr(getattr(probe, "cfg", None), "seq_len", None)
+    return ModelSpec(text, lambda layers: fn(), None, vocab, hf=hf,
+                     max_seq=positions if isinstance(positions, int) else None)
 
 
 def load_spec(text: str, checkpointing: bool = True, vocab_size: int | None = None) -> ModelSpec:
@@ -201,22 +217,24 @@ def measure_activations(spec: ModelSpec, micro_batch: int, seq: int, device: tor
     return Activations(total, total, 0.0, f"measured on {device.type}, whole model")
 
 
-def estimate_inputs(model: str, micro_batch: int | None, seq: int, device: str,
-                    checkpointing: bool = True) -> tuple[int, Activations | None]:
+def estimate_inputs(model: str, micro_batch: int | None, seq: int | None, device: str,
+                    checkpointing: bool = True) -> tuple[int, Activations | None, int]:
     """For ``zeroplug estimate``: the parameter count of ``model`` and, with a micro batch, its
-    measured activations on ``device`` (cpu, cuda or auto)."""
-    if micro_batch is not None and (micro_batch < 1 or seq < 1):
+    measured activations on ``device`` (cpu, cuda or auto) at the sequence length returned last
+    (``seq``, or the default for this model when None)."""
+    if micro_batch is not None and (micro_batch < 1 or (seq is not None and seq < 1)):
         raise ZeroplugError("--micro-batch and --seq must be at least 1")
     spec = load_spec(model, checkpointing)
+    seq = spec.seq_or_default(seq)
     if micro_batch is None:
-        return spec.num_params(), None
+        return spec.num_params(), None, seq
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ZeroplugError("--device cuda: no CUDA device is visible; use --device cpu")
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return spec.num_params(), measure_activations(spec, micro_batch, seq, dev, dtype)
+    return spec.num_params(), measure_activations(spec, micro_batch, seq, dev, dtype), seq
 
 
 CATEGORIES = ("lp_params", "master", "gradients", "optimizer")   # engine.memory_report()'s names

@@ -215,6 +215,6 @@ def cmd_report(args) -> int:
 def add_parser(sub) -> None:
     r = sub.add_parser("report", help="draw one PNG of a run from its CSV monitor file or TensorBoard events")
     r.add_argument("run", help="the CSV monitor's file, or a TensorBoard run directory (or event file)")
-    r.add_argument("--out", help="the PNG to write (default: next to RUN, RUN's name with .png)")
+    r.add_argument("-o", "--output", "--out", dest="out", help="the PNG to write (default: next to RUN, RUN's name with .png)")
     r.add_argument("--title", help="the picture's title (default: the run's name and a summary)")
     r.set_defaults(fn=lambda args, overrides: cmd_report(args))

@@ -271,7 +271,7 @@ def cmd_tune(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ZeroplugError("zeroplug tune measures on one process and one device; run it without torchrun "
                             "(for N ranks' memory: zeroplug estimate --world-size N)")
-    if args.micro_batch < 1 or args.seq < 1 or args.steps < 1 or args.warmup < 0:
+    if args.micro_batch < 1 or (args.seq is not None and args.seq < 1) or args.steps < 1 or args.warmup < 0:
         raise ZeroplugError("--micro-batch, --seq and --steps must be at least 1 (--warmup at least 0)")
     device = args.device
     if device == "auto":
@@ -286,8 +286,9 @@ def cmd_tune(args) -> int:
     if not os.access(out.parent, os.W_OK):
         raise ZeroplugError(f"--out {out}: {out.parent} is not writable")
     spec = load_spec(args.model, not args.no_activation_checkpointing, args.vocab_size)
+    seq = spec.seq_or_default(args.seq)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    result = tune(spec, args.micro_batch, args.seq, dev, args.nvme_path, args.steps, args.warmup,
+    result = tune(spec, args.micro_batch, seq, dev, args.nvme_path, args.steps, args.warmup,
                   args.max_candidates, args.lr,
                   None if args.activations_gib is None else args.activations_gib * GiB)
     command = "zeroplug " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] \
@@ -314,7 +315,7 @@ def add_parser(sub) -> None:
     t.add_argument("--model", required=True,
                    help="a model preset (e.g. 1.3B), a Hugging Face config.json, or module:function")
     t.add_argument("--micro-batch", type=int, default=8, help="micro batch per step (default 8)")
-    t.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    t.add_argument("--seq", type=int, help="sequence length (default 1024, or the model's longest if shorter)")
     t.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"],
                    help="auto (default): cuda when present")
     t.add_argument("--nvme-path", help="a directory on a fast disk: NVMe candidates are considered")
@@ -322,7 +323,7 @@ def add_parser(sub) -> None:
     t.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
     t.add_argument("--max-candidates", type=int, default=8, help="run at most this many (default 8)")
     t.add_argument("--lr", type=float, default=1e-4, help="learning rate of the runs and the file (default 1e-4)")
-    t.add_argument("--out", default="zero.toml", help="where to write the chosen config (default zero.toml)")
+    t.add_argument("-o", "--output", "--out", dest="out", default="zero.toml", help="where to write the chosen config (default zero.toml)")
     t.add_argument("--activations-gib", type=float, help="skip the probe: activation memory per micro-batch")
     t.add_argument("--vocab-size", type=int, help="token ids are drawn below this (module:function models "
                                                   "without config.vocab_size)")

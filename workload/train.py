@@ -29,9 +29,13 @@ def add_parser(sub) -> None:
     t.add_argument("--data", help="train on this text file instead of the stdlib corpus")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
                    help="cpu (default), cuda, or auto (cuda when present)")
-    t.add_argument("--model", default="char-tiny", help="model preset (default char-tiny)")
+    from zeroplug.workload.models import PRESETS
+    t.add_argument("--model", default="char-tiny", choices=list(PRESETS), metavar="PRESET",
+                   help=f"model preset: {', '.join(PRESETS)} (default char-tiny: byte-level, 0.8 M "
+                        "parameters; the others are GPT-2-style sizes with a 50,304 vocabulary)")
     t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the batch order "
+                                                       "(default 0)")
     t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
     t.add_argument("--collective-timeout", type=float, metavar="SECONDS",
                    help="under torchrun: a collective that waits this long for another rank fails and "

@@ -3,6 +3,7 @@ TensorBoard event files (``zeroplug report`` draws a picture from either file)."
 from __future__ import annotations
 
 import csv
+import os
 import sys
 from dataclasses import dataclass
 
@@ -20,12 +21,14 @@ FIELDS = ("step", "loss", "lr", "loss_scale", "grad_norm", "samples_per_sec", "a
 
 
 def format_line(m: dict) -> str:
-    """DeepSpeed's fields, one line: what seed 004's users grep for."""
+    """DeepSpeed's fields, one line: what seed 004's users grep for (the GPU memory fields on a
+    GPU run only)."""
+    gpu = "" if m.get("mem_allocated") is None else (
+        f"MemAllocated={m['mem_allocated'] / GB:.2f}GB MaxMemAllocated={m['max_mem_allocated'] / GB:.2f}GB ")
     return (f"[zeroplug] step={m['step']} loss={m['loss']:.4f} lr={m['lr']:.3e} "
             f"loss_scale={m['loss_scale']:g} grad_norm={m['grad_norm']:.3f} "
             f"CurrSamplesPerSec={m['samples_per_sec']:.2f} RunningAvgSamplesPerSec={m['avg_samples_per_sec']:.2f} "
-            f"tokens/s={m['tokens_per_sec']:.0f} MemAllocated={m['mem_allocated'] / GB:.2f}GB "
-            f"MaxMemAllocated={m['max_mem_allocated'] / GB:.2f}GB RSS={m['host_rss'] / GB:.2f}GB"
+            f"tokens/s={m['tokens_per_sec']:.0f} {gpu}RSS={m['host_rss'] / GB:.2f}GB"
             + (f" skipped={m['skipped_steps']}" if m.get("skipped_steps") else ""))
 
 
@@ -59,6 +62,7 @@ class CSVMonitor(Monitor):
         if self._file is None:
             # Note: an evaluation row holds only step and eval_loss; readers skip empty cells.
             self._file = open(self.options.path, "a+", newline="")
+            print(f"[zeroplug] csv monitor: appending to {os.path.abspath(self.options.path)}", flush=True)
             self._file.seek(0)
             header = next(csv.reader(self._file), None)     # appending: keep the file's columns
             self._file.seek(0, 2)

@@ -45,6 +45,8 @@ class TensorBoard(Monitor):
         import os
         self.log_dir = os.path.join(options.output_path, options.job_name)
         self._writer = SummaryWriter(log_dir=self.log_dir)
+        print(f"[zeroplug] tensorboard monitor: writing to {os.path.abspath(self.log_dir)} "
+              f"(tensorboard --logdir {options.output_path})", flush=True)
 
     def write(self, metrics):
         if self._writer is None:
