@@ -27,6 +27,17 @@ def _split_overrides(argv):
 
 
 def cmd_export(args, overrides) -> int:
+    if args.dtype == "fp32" or args.format is not None or args.max_shard_size is not None:
+        from zeroplug.checkpoint.fp32_export import export_fp32, open_source, write_state_dict
+        if args.dtype == "fp32":
+            files = export_fp32(args.checkpoint, args.out, tag=args.tag, fmt=args.format,
+                                max_shard_size=args.max_shard_size)
+        else:
+            files = write_state_dict(open_source(args.checkpoint, args.tag, dtype=None), args.out, args.format,
+                                     args.max_shard_size)
+        for f in files:
+            print(f"wrote {f}")
+        return 0
     from zeroplug.checkpoint import export
     out = export(args.checkpoint, args.out, tag=args.tag)
     print(f"wrote {out}")
@@ -144,8 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)            # the demo's loop (zeroplug.workload), outside the core
     x = sub.add_parser("export", help="write a checkpoint's consolidated model state dict (.pt or .safetensors)")
     x.add_argument("checkpoint", help="a checkpoint directory (its 'latest' tag) or one tag's directory")
-    x.add_argument("out", help="output file: .safetensors (needs the safetensors package) or .pt")
+    x.add_argument("out", help="output file (.safetensors, or .pt / .bin for torch.save's format) or a directory")
     x.add_argument("--tag", help="the tag to export (default: latest)")
+    x.add_argument("--dtype", choices=["model", "fp32"], default="model",
+                   help="model: the parameters as trained (16-bit with bf16/fp16); fp32: the fp32 master weights "
+                        "(DeepSpeed's zero_to_fp32), written one tensor at a time. A DeepSpeed ZeRO checkpoint "
+                        "directory works too")
+    x.add_argument("--format", choices=["safetensors", "bin"],
+                   help="output format when OUT is a directory (default safetensors: model.safetensors; bin: "
+                        "pytorch_model.bin); a file's suffix decides otherwise")
+    x.add_argument("--max-shard-size", help="OUT a directory: cut into shards of at most this size (e.g. 5GB) "
+                                            "with Hugging Face's *.index.json")
     x.set_defaults(fn=cmd_export)
     sub.add_parser("plugins", help="list plugins, their versions, hooks and implementations").set_defaults(
         fn=cmd_plugins)

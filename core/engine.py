@@ -314,10 +314,9 @@ class Engine:
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Restore a checkpoint saved on any world size (``tag`` None: the ``latest`` one);
-        every rank must call it. Returns ``(path, client_state)``."""
-        from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only)
+        every rank must call it. Returns ``(path, client_state)``. Reads DeepSpeed's too."""
+        from .checkpoint.deepspeed_format import load_any
+        return load_any(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
 
 def initialize(model: torch.nn.Module, config=None, overrides=None, device=None,

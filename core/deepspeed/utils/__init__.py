@@ -1,0 +1,1 @@
+"""``deepspeed.utils``: ``zero_to_fp32`` (the fp32 weights of a ZeRO checkpoint)."""
