@@ -6,6 +6,7 @@ import pickle
 import socket
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -54,16 +55,25 @@ def leave_without_teardown() -> None:
     os._exit(0)
 
 
-def run_ranks(fn, world: int, *args):
+def run_ranks(fn, world: int, *args, timeout: float | None = None):
     """``fn(rank, world, *args)`` on each rank; returns the list of results by rank.
 
-    World size 1 runs in this process (no process group), like a plain script.
+    World size 1 runs in this process (no process group), like a plain script. With a
+    ``timeout`` (seconds), ranks still running then are killed and the call fails: a hang
+    fails the test instead of stalling the suite.
     """
     if world == 1:
         return [fn(0, 1, *args)]
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, _free_port(), fn, args, outdir), nprocs=world,
-                           start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, args, outdir), nprocs=world,
+                                 start_method="spawn", join=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ctx.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(f"no result from {world} ranks within {timeout:g} s (a hang?)")
         results, errors = [], []
         for r in range(world):
             path = os.path.join(outdir, f"{r}.pkl")

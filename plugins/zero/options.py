@@ -9,7 +9,7 @@ from zeroplug.options import AUTO, opt
 
 STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                "stage3_param_persistence_threshold", "stage3_low_precision_shards",
-               "stage3_gather_16bit_weights_on_model_save")
+               "stage3_gather_16bit_weights_on_model_save", "stage3_leaf_modules", "stage3_auto_leaf_modules")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,15 @@ class ZeroOptions:
                "(2 bytes per element / world; on one rank, the whole model kept gathered, no hooks), "
                "gathered without a cast; false gathers the fp32 master, cast into the gather buffer "
                "(on one rank a cast on the compute stream: nothing prefetched or kept for reuse).")
+    stage3_leaf_modules: tuple[str, ...] = opt(
+        (), "Stage 3: class names of leaf modules, gathered as one unit with every module inside them "
+            "in the leaf's own forward, on every rank (a mixture-of-experts block whose experts run "
+            "only when tokens route to them); as zeroplug.set_leaf_modules(model, [cls]) and "
+            "DeepSpeed's set_z3_leaf_modules.")
+    stage3_auto_leaf_modules: bool = opt(
+        True, "Stage 3: a module holding a ModuleList or ModuleDict named like 'experts' is a leaf "
+              "module (see stage3_leaf_modules); false gathers each expert on its own, which hangs "
+              "when ranks route tokens to different experts.")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")
 

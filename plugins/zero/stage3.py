@@ -12,6 +12,7 @@ flight" when someone needs it freed: ``Unit.release`` waits for its gather first
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -24,7 +25,27 @@ from zeroplug.tiers import Layout, UnitShard
 from .flat_layout import FlatLayout
 from .partitioned_init import PartitionedInit, flush_pending, materialize
 from .partitioner import Stage2, _check_materialized, hidden_size
+from .leaves import find_leaves, owners, reachable_params
 from .unit import FREE, INFLIGHT, READY, Unit
+
+
+def eager(fn):
+    """``fn`` run as Python even inside ``torch.compile``: a graph break, never traced.
+
+    Note: gathers and releases resize storages and start collectives, which Dynamo and
+    Inductor cannot trace (Inductor: "dynamic shapes, target: resize_storage_bytes_"). As
+    FSDP2 does with its hooks, they run between the compiled graphs, so that each module's
+    forward compiles over parameters that are already gathered. Outside compilation the
+    hook is called directly (``torch._dynamo.disable``'s wrapper costs more per call)."""
+    untraced = torch._dynamo.disable(fn, recursive=True)
+    compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        if compiling():
+            return untraced(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return hook
 
 
 def _in_backward() -> bool:
@@ -56,6 +77,7 @@ class Stage3(Stage2):
         # gathered for reuse (the backward's casts cost less than holding the forward's tail)
         self.cast_only = self.run.world_size == 1 and self.lp_from_master
         flush_pending()
+        self.leaves = set(find_leaves(module, o))
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
         super().setup(module, precision, offload_optimizer, offload_param, groups)
@@ -76,14 +98,14 @@ class Stage3(Stage2):
                 free_storage(u.shard)       # (refilled from the master for checkpoints)
         if not self.gathers_per_unit():
             return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
-        for m in module.modules():
-            us = sorted({self.unit_of[p].index for p in m._parameters.values() if p in self.unit_of})
+        for m, params in owners(module, self.leaves):
+            us = sorted({self.unit_of[p].index for p in params if p in self.unit_of})
             if us:
                 self.units_of_module[m] = [self.all_units[i] for i in us]
-                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-                self._hooks.append(m.register_forward_hook(self._post_forward))
+                self._hooks.append(m.register_forward_pre_hook(eager(self._pre_forward)))
+                self._hooks.append(m.register_forward_hook(eager(self._post_forward)))
                 self._hooks.append(m.register_state_dict_pre_hook(self._state_dict_pre_hook))
-        self._hooks.append(module.register_forward_hook(self._end_forward))
+        self._hooks.append(module.register_forward_hook(eager(self._end_forward)))
 
     def _state_dict_pre_hook(self, module, prefix, keep_vars) -> None:
         """``module.state_dict()`` would hand out sharded parameters (no values): refuse."""
@@ -105,16 +127,17 @@ class Stage3(Stage2):
 
     def _group_params(self, module):
         """One unit per module and kind: its trainable parameters of each parameter group,
-        and its frozen ones (sharded, gathered, never stepped). Integer parameters stay whole."""
+        and its frozen ones (sharded, gathered, never stepped). Integer parameters stay whole.
+        A leaf module's units hold the parameters of every module inside it."""
         groups, assigned = [], set()
         in_model = {id(p) for p in module.parameters()}
-        for m in module.modules():
+        for m, params in owners(module, self.leaves):
             fresh: dict = {}
-            for p in m._parameters.values():
+            for p in params:
                 if p is None or id(p) in assigned or not p.is_floating_point():
                     continue
                 g = getattr(p, "_zp_group", None)
-                if g is not None and self._usable(g, in_model):
+                if g is not None and m not in self.leaves and self._usable(g, in_model):
                     groups.append(g.params)
                     assigned.update(id(q) for q in g.params)
                     continue
@@ -174,7 +197,7 @@ class Stage3(Stage2):
             unit.wait_gather()
         if not unit.persistent:
             for p in params:
-                p._zp_fetch = lambda u=unit: self._fetch(u)     # a read outside a module's forward
+                p._zp_fetch = eager(lambda u=unit: self._fetch(u))     # a read outside a module's forward
         return unit
 
     # -- forward / backward hooks -----------------------------------------------------
@@ -259,6 +282,8 @@ class Stage3(Stage2):
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
         if backward_follows:
+            if module in self.leaves:
+                self._expect_grads(module, units, outs, args)
             for t in outs:
                 t.register_hook(lambda grad, m=module: self._pre_backward(m))
             if any(not u.trainable for u in units):
@@ -270,6 +295,36 @@ class Stage3(Stage2):
         for u in units:
             if not self._reused_soon(u, backward_follows):
                 self._release(u)
+
+    def _expect_grads(self, module, units, outs, args) -> None:
+        """A leaf's parameters that this backward will reach: the ones its forward used on
+        this rank (an expert no token was routed to gets no gradient here).
+
+        Note: reductions run in one fixed unit order on every rank, each once its unit's
+        gradients are complete; a unit waiting for gradients that never come would hold its
+        gathered parameters, and every unit after it, until the end of backward. Its unused
+        parameters are reduced as zeros, so the ranks' sums stay exact."""
+        reached = reachable_params(outs, [t for t in tree_flatten(args)[0] if torch.is_tensor(t)])
+        for u in units:
+            if u.trainable:
+                u.expect = (u.expect or set()) | {id(p) for p in u.trainable if id(p) in reached}
+
+    def before_backward(self) -> None:
+        super().before_backward()
+        for u in self.units:
+            u.partial = bool(u.expect)    # (nothing reached: left to the end of backward)
+            if u.partial:
+                u.pending = len(u.expect)
+
+    def _on_grad(self, p) -> None:
+        u = self.unit_of[p]
+        if u.partial and u.reduced:
+            raise StateError(
+                f"a gradient reached a parameter of shape {tuple(p.shape)} in a leaf module's unit after "
+                "the unit was reduced: the parameter was used outside the leaf module's forward. Use it "
+                "only inside that module, or do not make the module a leaf (zero.stage3_leaf_modules, "
+                "zero.stage3_auto_leaf_modules)")
+        super()._on_grad(p)
 
     def _post_backward_frozen(self, module) -> None:
         for u in self.units_of_module[module]:
@@ -327,6 +382,8 @@ class Stage3(Stage2):
 
     def _end_backward(self) -> None:
         self._callback_queued = False
+        for u in self.units:
+            u.expect = None     # (kept until now: zero_grad may run between forward and backward)
         self.release_all()
 
     def release_all(self) -> None:

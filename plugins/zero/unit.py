@@ -120,6 +120,8 @@ class Unit:
         self.reduced = False
         self.ready = False              # gradients complete, reduction waiting for its turn
         self.window_fresh = True        # not reduced yet in this accumulation window
+        self.expect: set[int] | None = None     # stage 3 leaf: ids of the parameters this backward reaches
+        self.partial = False                    # ... and this backward waits for those only
         # stage 3 gathering
         self.state = READY
         self.gather_handle = None

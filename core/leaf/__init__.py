@@ -1,0 +1,72 @@
+"""Leaf modules: stage 3 gathers a leaf module's parameters, everything inside it
+included, as one unit when the leaf's forward starts, on every rank.
+
+A mixture-of-experts block runs an expert only when some token routes to it, so two
+ranks call different experts. Stage 3 gathers a module's parameters with a collective
+just before that module runs: if the experts were gathered one by one, the ranks'
+collectives would not pair up and training would hang. A leaf is gathered whole in the
+pre-forward of the block that every rank calls, so the collectives do not depend on
+routing. Stage 3 finds such blocks itself (``zero.stage3_auto_leaf_modules``: a module
+that holds a ``ModuleList`` or ``ModuleDict`` named like ``experts``); others are
+declared with :func:`set_leaf_modules` or ``zero.stage3_leaf_modules`` (class names),
+as DeepSpeed users declare them with ``deepspeed.utils.set_z3_leaf_modules``.
+"""
+from __future__ import annotations
+
+import torch
+
+_MARK = "_zp_leaf"
+
+
+def _matches(module: torch.nn.Module, kinds) -> bool:
+    return any(type(module).__name__ == k if isinstance(k, str) else isinstance(module, k) for k in kinds)
+
+
+def set_leaf_modules(model: torch.nn.Module, leaf_modules, raise_if_not_found: bool = True) -> list:
+    """Mark every module of ``model`` whose class is in ``leaf_modules`` (classes or class
+    names) as a leaf; returns the marked modules. Call it before ``zeroplug.initialize``.
+    Raises ValueError when nothing matches (unless ``raise_if_not_found`` is false)."""
+    kinds = list(leaf_modules)
+    found = [m for m in model.modules() if _matches(m, kinds)]
+    if not found and raise_if_not_found:
+        names = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"set_leaf_modules: no module of the model is a {', '.join(map(_name, kinds))}; "
+                         f"its module classes are: {', '.join(names)}")
+    for m in found:
+        setattr(m, _MARK, True)
+    return found
+
+
+def unset_leaf_modules(model: torch.nn.Module, leaf_modules, raise_if_not_found: bool = True) -> list:
+    """Undo :func:`set_leaf_modules` for the modules of these classes; returns them."""
+    kinds = list(leaf_modules)
+    found = [m for m in model.modules() if _matches(m, kinds) and is_leaf_module(m)]
+    if not found and raise_if_not_found:
+        raise ValueError(f"unset_leaf_modules: no leaf module is a {', '.join(map(_name, kinds))}")
+    for m in found:
+        delattr(m, _MARK)
+    return found
+
+
+def get_leaf_modules(model: torch.nn.Module) -> list:
+    """The modules of ``model`` marked by :func:`set_leaf_modules`."""
+    return [m for m in model.modules() if is_leaf_module(m)]
+
+
+def is_leaf_module(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, _MARK, False))
+
+
+def holds_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a ModuleList / ModuleDict named like ``experts`` with two or
+    more entries that have parameters: the shape of a mixture-of-experts block whose
+    forward runs only the experts its tokens route to."""
+    for name, child in module.named_children():
+        if "expert" in name.lower() and isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            if sum(1 for c in child.children() if any(True for _ in c.parameters())) >= 2:
+                return True
+    return False
+
+
+def _name(k) -> str:
+    return k if isinstance(k, str) else getattr(k, "__name__", repr(k))

@@ -1,0 +1,63 @@
+"""Stage 3's units and leaf modules (see ``zeroplug.leaf``): which module's hooks gather
+which parameters, and which parameters a leaf's backward reaches."""
+from __future__ import annotations
+
+import torch
+
+from zeroplug.errors import ConfigError
+from zeroplug.leaf import holds_experts, is_leaf_module
+
+
+def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
+    """The outermost leaf modules of ``module``: marked by ``zeroplug.set_leaf_modules``,
+    named in ``stage3_leaf_modules``, or (``stage3_auto_leaf_modules``) holding experts."""
+    declared = set(options.stage3_leaf_modules)
+    classes = {type(m).__name__ for m in module.modules()}
+    missing = sorted(declared - classes)
+    if missing:
+        raise ConfigError(f"zero.stage3_leaf_modules names {', '.join(map(repr, missing))}, but the model has "
+                          f"no module of that class; its classes are: {', '.join(sorted(classes))}",
+                          key="zero.stage3_leaf_modules")
+    leaves, inside = [], set()
+    for m in module.modules():
+        if id(m) in inside:
+            continue
+        if is_leaf_module(m) or type(m).__name__ in declared or (
+                options.stage3_auto_leaf_modules and holds_experts(m)):
+            leaves.append(m)
+            inside.update(id(c) for c in m.modules())
+    return leaves
+
+
+def owners(module: torch.nn.Module, leaves) -> list[tuple[torch.nn.Module, list]]:
+    """(module, the parameters its hooks gather) in ``module.modules()`` order: a leaf owns
+    every parameter inside it, and the modules inside a leaf own none (no hooks)."""
+    out, inside = [], set()
+    for m in module.modules():
+        if id(m) in inside:
+            continue
+        if m in leaves:
+            inside.update(id(c) for c in m.modules())
+            out.append((m, list(m.parameters())))
+        else:
+            out.append((m, [p for p in m._parameters.values() if p is not None]))
+    return out
+
+
+def reachable_params(outputs, inputs) -> set[int]:
+    """ids of the leaf tensors (parameters) whose gradient a backward from ``outputs`` reaches
+    without passing through ``inputs`` (the module's arguments: what lies before the module)."""
+    stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen, found = set(), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)       # AccumulateGrad: a leaf tensor
+        if var is not None:
+            found.add(id(var))
+            continue
+        stack.extend(f for f, _ in node.next_functions)
+    return found
