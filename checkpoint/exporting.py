@@ -107,11 +107,26 @@ def save_pretrained(engine, save_directory, **kwargs) -> bool:
     return sd is not None
 
 
-def save_16bit_model(engine, path) -> bool:
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
     """``engine.save_16bit_model``: the consolidated model-dtype state dict, written atomically
-    by rank 0 (every rank calls it); True on the rank that wrote."""
+    by rank 0 to ``save_dir/save_filename`` (see :func:`.weights.weights_path`; every rank
+    calls it); True on the rank that wrote."""
+    from .weights import weights_path, write_weights
+    path = problem = None
+    if engine.run.rank == 0:
+        try:
+            path = weights_path(save_dir, save_filename)
+        except CheckpointError as exc:
+            problem = str(exc)
+    problem = engine.run.comm.broadcast_object(problem)      # every rank stops, or none
+    if problem is not None:
+        raise CheckpointError(problem)
     sd = engine.consolidated_state_dict()
     if sd is not None:
-        atomic_torch_save(sd, path)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        write_weights(sd, path)
     engine.run.comm.barrier()
     return sd is not None

@@ -102,6 +102,10 @@ def cmd_convert(args, overrides) -> int:
 
 
 def cmd_docs(args, overrides) -> int:
+    if args.deepspeed_api:
+        from zeroplug.deepspeed.surface import api_markdown
+        print(api_markdown())
+        return 0
     if args.deepspeed:
         from zeroplug.convert.keys import compat_markdown
         print(compat_markdown())
@@ -192,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the DeepSpeed key table instead (docs/deepspeed-compat.md)")
     d.add_argument("--installed", action="store_true",
                    help="document the plugins of every installed package too, not only the built-in ones")
+    d.add_argument("--deepspeed-api", action="store_true",
+                   help="print the zeroplug.deepspeed name table instead (docs/deepspeed-api.md)")
     d.set_defaults(fn=cmd_docs)
     return p
 

@@ -272,9 +272,11 @@ class _Translator:
             opt, par = ({"pin_memory": pin, **t} if t else t for t in (opt, par))
         dev_opt, dev_par = self.device(f"{path}.offload_optimizer", opt), self.device(f"{path}.offload_param", par)
         if dev_par != "none" and stage < 3:
-            raise ConfigError(f"DeepSpeed key {path}.offload_param (device {dev_par}) needs {path}.stage = 3, but it is "
-                              f"{stage}: only stage 3 shards the parameters. Set stage 3, or remove offload_param "
-                              f"(offload_optimizer works from stage 1)", key=f"{path}.offload_param")
+            # Note: DeepSpeed ignores it below stage 3 too (configs shared across stages carry it)
+            self.note(f"{path}.offload_param (device {dev_par}) ignored at stage {stage}: only stage 3 shards "
+                      f"the parameters, so there are none to offload (as DeepSpeed ignores it); set stage 3 to "
+                      f"offload them, or remove offload_param")
+            dev_par = "none"
         if dev_par != "none" and dev_opt == "none":
             self.note(f"{path}.offload_param without offload_optimizer: zeroplug offloads the optimizer to the CPU "
                       f"too (its fp32 masters update the host shards); the same update, more host memory")

@@ -215,7 +215,7 @@ RULES: dict[str, Rule] = {
     "zero_optimization.offload_optimizer": moved("[offload.optimizer]", "device cpu / nvme: plugin = "
                                                  "\"cpu\" / \"nvme\"; none: no offload"),
     "zero_optimization.offload_param": moved("[offload.param]", "device cpu / nvme: plugin = \"cpu\" / "
-                                             "\"nvme\" (stage 3 only: refused below it); without "
+                                             "\"nvme\" (stage 3 only: ignored below it with a warning, as DeepSpeed does); without "
                                              "offload_optimizer the optimizer is offloaded to the CPU too"),
     "zero_optimization.cpu_offload": moved("offload.optimizer.plugin", "DeepSpeed's old switch: true = "
                                            "offload_optimizer on the CPU"),
@@ -459,7 +459,6 @@ def compat_markdown() -> str:
             "## Combinations refused", "",
             "Each names both keys and the fix:", "",
             "* `fp16.enabled` and `bf16.enabled` both true (DeepSpeed refuses it too);",
-            "* `zero_optimization.offload_param` below `zero_optimization.stage` 3;",
             "* `offload_*.device = \"nvme\"` without `offload_*.nvme_path`;",
             "* `train_batch_size` that is not `train_micro_batch_size_per_gpu` x "
             "`gradient_accumulation_steps` x world size (or not a multiple of the one given);",

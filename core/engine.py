@@ -22,6 +22,7 @@ import torch
 from . import config as config_mod
 from .comm import Comm
 from .errors import StateError, StepFailedError
+from zeroplug.launch import start_process_group
 from zeroplug.observe.metrics import StepMetrics
 from zeroplug.warmup import warm_up_cuda
 from .registry import get_plugin_manager
@@ -58,6 +59,8 @@ def _default_device() -> torch.device:
 def make_run(config=None, overrides=None, device=None, plugin_manager=None, model=None):
     """The validated config and run context for this process (``model``: for "auto" sizes)."""
     pm = plugin_manager or get_plugin_manager()
+    # under a launcher, the process group (nccl for CUDA, gloo else) before anything counts ranks
+    start_process_group(torch.device(device).type if device is not None else _default_device().type)
     comm = Comm()
     cfg = config_mod.load(config, overrides, pm=pm, world_size=comm.world_size, model=model)
     dev = torch.device(device) if device is not None else _default_device()
@@ -73,6 +76,7 @@ class Engine:
         self.config, self.run, self.plugin_manager = cfg, run, pm
         self.hook = pm.hook
         self.module = model
+        self._param_ids = {id(p) for p in model.parameters()}
 
         def build(path, *extra):
             choice = cfg.slot(path)
@@ -121,6 +125,7 @@ class Engine:
         # Note: ranks end their set-up at different times (kernel loads, pinning); meeting
         # here keeps that wait in initialize instead of in the first step's first collective
         run.comm.barrier()
+        _live.add(self)
         self.hook.zeroplug_engine_created(engine=self)
 
     # -- the training step -------------------------------------------------------
@@ -142,7 +147,7 @@ class Engine:
             return self.micro_steps_in_window >= self.gradient_accumulation_steps
         return self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Note: the accumulation window counts backward calls, so ``step()`` may be called
         after every micro-batch (DeepSpeed's loop; it steps at the boundary) or only at the
         boundary (the plain PyTorch loop); either way one optimizer step per window."""
@@ -154,7 +159,7 @@ class Engine:
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         self.metrics.backward(loss)
         self.partitioner.before_backward()
-        self.precision.scale_loss(scaled).backward()
+        self.precision.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.micro_step += 1
         self.micro_steps_in_window += 1
         self._stepped_since_backward = False
@@ -218,6 +223,12 @@ class Engine:
         for g, scale in zip(self.optimizer.param_groups, self._lr_scale):
             g["lr"] = lr * scale
 
+    def use_schedule(self, schedule) -> None:
+        """Drive the lr with ``schedule`` (an object with ``lr_at(step)``, as
+        :class:`zeroplug.slots.Scheduler`) from now on; the lr is set at once."""
+        self.scheduler = schedule
+        self._set_lr(schedule.lr_at(self.lr_step))
+
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
@@ -249,10 +260,19 @@ class Engine:
         if self.micro_steps_in_window == 0:
             self.partitioner.zero_grad()
 
-    def gathered_parameters(self):
-        """Context in which every parameter holds its whole value (stage 3 gathers them;
-        every rank must enter it). ``module.state_dict()`` works inside."""
-        return self.partitioner.gathered_params()
+    def gathered_parameters(self, params=None, modifier_rank: int | None = None):
+        """Context in which every parameter (or each of ``params``) holds its whole value
+        (stage 3 gathers them; every rank must enter it). ``module.state_dict()`` works inside.
+
+        Writes: with ``modifier_rank``, the values that rank holds at the end of the block
+        become every rank's (shards and fp32 master weights; the optimizer's moments stay);
+        without it, a parameter written inside raises StateError on every rank at the end of
+        the block (the write would otherwise be lost at the next step)."""
+        return self.partitioner.gathered_params(params, modifier_rank=modifier_rank, check_writes=True)
+
+    def owns(self, param) -> bool:
+        """Whether ``param`` is a parameter of the model this engine trains."""
+        return id(param) in self._param_ids
 
     def consolidated_state_dict(self) -> dict | None:
         """The full model state dict (model dtype) on rank 0; None on the other ranks."""
@@ -265,10 +285,17 @@ class Engine:
         from .checkpoint.exporting import save_pretrained
         return save_pretrained(self, save_directory, **kwargs)
 
-    def save_16bit_model(self, path) -> bool:
-        """Write the consolidated model-dtype state dict to ``path`` from rank 0."""
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the consolidated model-dtype state dict to ``save_dir/save_filename`` from
+        rank 0 (every rank calls it; the directory is created): a ``torch.save`` file, or
+        safetensors when ``save_filename`` ends in ``.safetensors``. ``save_dir`` naming an
+        existing file, or a new path ending in .pt, .pth, .bin or .safetensors with the
+        default ``save_filename``, is the file itself (deprecated: pass a directory).
+        ``exclude_frozen_parameters``: leave out parameters with requires_grad=False.
+        True on the rank that wrote."""
         from .checkpoint.exporting import save_16bit_model
-        return save_16bit_model(self, path)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # -- offload_states / reload_states ---------------------------------------------
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
@@ -317,6 +344,14 @@ class Engine:
         every rank must call it. Returns ``(path, client_state)``. Reads DeepSpeed's too."""
         from .checkpoint.deepspeed_format import load_any
         return load_any(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+
+_live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def live_engines() -> list[Engine]:
+    """The engines built in this process and not yet garbage (closed ones included)."""
+    return list(_live)
 
 
 def initialize(model: torch.nn.Module, config=None, overrides=None, device=None,

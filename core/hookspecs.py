@@ -147,3 +147,15 @@ def zeroplug_reload_states(engine):
     """Called by ``engine.reload_states`` after the engine's own states came back.
     Returns nothing.
     """
+
+
+@hookspec(firstresult=True)
+def zeroplug_gathered_params(params, modifier_rank):
+    """Called by ``zeroplug.gathered_parameters(params, modifier_rank)`` (and
+    ``deepspeed.zero.GatheredParameters``) for parameters that no engine holds: a plugin
+    that partitioned some of them while the model was built (``zeroplug.init``) returns
+    ``(context_manager, those_parameters)``; inside the context they hold their whole
+    values on every rank, and on exit the values of rank ``modifier_rank`` are partitioned
+    again (None: a parameter written inside raises StateError). Returns None when it holds
+    none of them.
+    """

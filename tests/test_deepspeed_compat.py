@@ -181,8 +181,6 @@ def test_adam_translation(params, offload, plugin, adamw_mode):
 @pytest.mark.parametrize("ds, key, parts", [
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled",
      ["fp16.enabled", "bf16.enabled", "both true", "keep one"]),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param",
-     ["zero_optimization.offload_param", "zero_optimization.stage = 3", "it is 2", "offload_optimizer"]),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      "zero_optimization.offload_optimizer.nvme_path",
      ["offload_optimizer.device = \"nvme\"", "offload_optimizer.nvme_path", "directory"]),
@@ -206,6 +204,16 @@ def test_conflicts_refused_with_deepspeed_key_names(ds, key, parts):
         zeroplug.load_config(ds)
     assert exc.value.key == key
     assert all(p in str(exc.value) for p in parts), str(exc.value)
+
+
+@pytest.mark.parametrize("zero", [{"offload_param": {"device": "cpu", "pin_memory": True}},
+                                  {"cpu_offload_param": True}])
+def test_offload_param_below_stage_3_is_ignored_with_one_warning(zero, zeroplug_log):
+    """DeepSpeed ignores offload_param below stage 3 (configs shared across stages carry it)."""
+    cfg = zeroplug.load_config({"zero_optimization": {"stage": 2, **zero}})
+    assert cfg.slot("zero").name == "stage2" and cfg.slot("offload.param").name == "none"
+    assert cfg.slot("offload.optimizer").name == "none"
+    assert sum("offload_param" in line and "ignored at stage 2" in line for line in zeroplug_log) == 1
 
 
 def test_true_false_strings_are_read_as_booleans(zeroplug_log):

@@ -54,6 +54,11 @@ class Recorder:
                                                       "global_step": engine.global_step}))
 
     @zeroplug.hookimpl
+    def zeroplug_gathered_params(self, params, modifier_rank):
+        self.calls.append(("zeroplug_gathered_params", {"params": list(params), "modifier_rank": modifier_rank}))
+        return None         # holds none of them
+
+    @zeroplug.hookimpl
     def zeroplug_step_begin(self, engine):
         self.calls.append(("zeroplug_step_begin", {"engine": engine, "global_step": engine.global_step,
                                                   "micro_step": engine.micro_step}))
@@ -242,6 +247,45 @@ def test_offload_and_reload_states():
     engine.close()
 
 
+class Holder:
+    """Holds the parameters tagged ``held`` (as zeroplug.init's partitioner holds its own)."""
+
+    def __init__(self):
+        self.events: list = []
+
+    @zeroplug.hookimpl
+    def zeroplug_gathered_params(self, params, modifier_rank):
+        from contextlib import contextmanager
+        mine = [p for p in params if getattr(p, "held", False)]
+        if not mine:
+            return None
+
+        @contextmanager
+        def ctx():
+            self.events.append(("enter", len(mine), modifier_rank))
+            yield
+            self.events.append(("exit", len(mine), modifier_rank))
+        return ctx(), mine
+
+
+def test_gathered_params_hook():
+    from zeroplug.gathering import gathered_parameters
+    holder, rec = Holder(), Recorder()
+    registry.get_plugin_manager().register(holder, "holder")
+    registry.get_plugin_manager().register(rec, "recorder")
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    a.held = True
+    with gathered_parameters([a, b], modifier_rank=0):
+        assert holder.events == [("enter", 1, 0)]          # only the parameter it holds
+        b.data.fill_(1.0)                                   # the other one is plain: whole already
+    assert holder.events == [("enter", 1, 0), ("exit", 1, 0)]
+    with gathered_parameters([b]):
+        pass
+    assert len(holder.events) == 2                          # holds none: not asked to gather
+    asked = rec.of("zeroplug_gathered_params")              # every plugin is asked until one answers
+    assert [len(c["params"]) for c in asked] == [2, 1] and [c["modifier_rank"] for c in asked] == [0, None]
+
+
 class ListMonitor(zeroplug.slots.Monitor):
     """Keeps what it is given (a monitor: the engine's lifecycle plugin)."""
     rows: list = []
@@ -305,6 +349,7 @@ COVERED = {
     "zeroplug_offload_states": "test_offload_and_reload_states",
     "zeroplug_reload_states": "test_offload_and_reload_states",
     "zeroplug_engine_closed": "test_engine_closed_and_monitors_are_hook_implementations",
+    "zeroplug_gathered_params": "test_gathered_params_hook",
 }
 
 

@@ -11,3 +11,13 @@ def zeroplug_register_partitioners(register):
     register("stage1", Stage1)
     register("stage2", Stage2)
     register("stage3", Stage3)
+
+
+@hookimpl
+def zeroplug_gathered_params(params, modifier_rank):
+    """Parameters sharded by ``zeroplug.init`` (stage 3) and not yet given to an engine."""
+    from .partitioned_init import ShardedParam, gathered_init_params
+    mine = [p for p in params if isinstance(p, ShardedParam)]
+    if not mine:
+        return None
+    return gathered_init_params(mine, modifier_rank), mine

@@ -22,6 +22,7 @@ this rank's slice of the value, in the existing parameter.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 
 import torch
 
@@ -251,3 +252,56 @@ class PartitionedInit:
         else:
             torch.nn.Module.__init_subclass__ = self._orig_subclass
         return False
+
+
+@contextmanager
+def gathered_init_params(params, modifier_rank=None):
+    """Whole values of ``params`` (ShardedParam) for the block; on exit the values of rank
+    ``modifier_rank`` are kept in every rank's slice (None: a write is refused).
+
+    Note: every parameter of the groups involved is gathered (a group is one flat buffer).
+    Inside, they are plain parameters whose data is a view of the gathered copy, so reads
+    and writes (``p.data.copy_(loaded)`` on one rank only) run no collective."""
+    from zeroplug.gathering import fingerprint
+    from zeroplug.gathering import written_error
+    flush_pending()
+    groups: dict[int, InitGroup] = {}
+    for p in params:
+        groups.setdefault(id(p._zp_group), p._zp_group)
+    wholes = []
+    for g in groups.values():
+        w = g.whole()
+        w = w.clone() if w is g.shard else w       # one rank: a write must not reach the shard unchecked
+        wholes.append(w)
+        for p, v in zip(g.params, g.layout.views(w)):
+            p.__class__ = torch.nn.Parameter
+            p.data = v
+    before = [fingerprint(w) for w in wholes] if modifier_rank is None else None
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        try:
+            if not failed:
+                if modifier_rank is not None:
+                    for g, w in zip(groups.values(), wholes):
+                        if g.layout.world_size > 1:
+                            g.comm.broadcast(w, src=modifier_rank)
+                        if g.layout.world_size == 1:
+                            g.shard.copy_(w)
+                        else:
+                            g.keep_slice(w)
+                else:
+                    gs = list(groups.values())
+                    written = sum(len(gs[i].params) for i, w in enumerate(wholes) if fingerprint(w) != before[i])
+                    # every rank raises when any rank wrote (a rank left alone would hang later)
+                    if gs[0].comm.all_reduce_scalar(float(written)) > 0:
+                        raise written_error("parameters built by zeroplug.init")
+        finally:
+            for g in groups.values():
+                for p in g.params:
+                    p.data = torch.empty(0, dtype=g.shard.dtype, device=g.shard.device)
+                    p.__class__ = ShardedParam

@@ -404,11 +404,11 @@ class FlatPartitioner(Partitioner):
                 self._gather_after_step()
 
     # -- views -------------------------------------------------------------------------
-    def gathered_params(self):
-        """Context in which every parameter holds its full value (a no-op below stage 3)."""
-        from contextlib import nullcontext
+    def gathered_params(self, params=None, modifier_rank=None, check_writes: bool = False):
+        """Every parameter (or ``params``) whole for a block (below stage 3: as always); writes: writes.py."""
+        from .writes import units_of, writes_kept
         self.wait_optimizer()
-        return nullcontext()
+        return writes_kept(self, units_of(self, params), params, modifier_rank, check_writes)
 
     def consolidated_state_dict(self, module) -> dict | None:
         with self.gathered_params():

@@ -454,15 +454,18 @@ class Stage3(Stage2):
                 free_storage(u.shard)
 
     @contextmanager
-    def gathered_params(self):
+    def gathered_params(self, params=None, modifier_rank=None, check_writes: bool = False):
+        from .writes import units_of, writes_kept
         self.wait_optimizer()
-        for u in self.all_units:
+        units = units_of(self, params)
+        for u in units:
             if u.state == FREE:
                 self._start(u)
-        for u in self.all_units:
+        for u in units:
             u.wait_gather()
         try:
-            yield
+            with writes_kept(self, units, params, modifier_rank, check_writes):
+                yield
         finally:
             self.release_all()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from zeroplug.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,41 @@ class ParamGroups:
     def plain(self) -> bool:
         """One group with no settings of its own: the [optimizer] table's alone."""
         return len(self.settings) == 1 and not self.settings[0]
+
+
+# Note: torch.optim fills every group with its constructor's settings; groups that went through
+# torch.optim.AdamW(groups) (accelerate, DeepSpeed-Chat) carry these. Kernel choices are
+# zeroplug's (optimizer.implementation); a group's fused=None would switch the fused step off.
+KERNEL_FLAGS = ("fused", "foreach", "capturable")
+# settings whose torch default is the only value zeroplug trains with
+MATH_FLAGS = {"maximize": (False, "zeroplug minimizes the loss: negate the loss instead"),
+              "differentiable": (False, "autograd through the optimizer step is not supported")}
+# settings of torch's own classes that zeroplug's optimizer plugin decides (adam / adamw)
+CLASS_FLAGS = ("decoupled_weight_decay",)
+
+
+def check_torch_flags(settings: dict, where: str) -> None:
+    """Refuse the torch optimizer settings that would change the maths (ConfigError)."""
+    for k, (default, why) in MATH_FLAGS.items():
+        if settings.get(k, default) not in (default, None):
+            raise ConfigError(f"{where}: {k} = {settings[k]!r} is not supported: {why}", key=k)
+
+
+def group_settings(g: dict, where: str) -> dict:
+    """A torch param group's own settings: torch's kernel flags and defaults left out, the
+    lr a torch LR scheduler started from (``initial_lr``) as its lr (zeroplug's schedule
+    drives it from there)."""
+    check_torch_flags(g, where)
+    out = {}
+    for k, v in g.items():
+        if k in ("params", "initial_lr") or k in KERNEL_FLAGS or k in MATH_FLAGS or k in CLASS_FLAGS:
+            continue
+        if k == "amsgrad" and not v:
+            continue
+        out[k] = tuple(v) if k == "betas" else v
+    if "initial_lr" in g:
+        out["lr"] = g["initial_lr"]
+    return out
 
 
 def _names(module: torch.nn.Module) -> dict[int, str]:
@@ -69,7 +104,7 @@ def param_groups(module: torch.nn.Module, model_parameters=None) -> ParamGroups:
                                   f"{group_of[id(p)]} and {gi}; a parameter belongs to one group "
                                   "(torch.optim refuses this too)", key="model_parameters")
             group_of[id(p)] = gi
-        settings.append({k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"})
+        settings.append(group_settings(g, f"model_parameters[{gi}]"))
     missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

@@ -1,0 +1,93 @@
+"""The process group under a launcher: started by ``zeroplug.initialize`` / ``zeroplug.init``
+when torchrun (or the ``deepspeed`` launcher, or any launcher that sets torchrun's variables)
+started the ranks and the script did not call ``torch.distributed.init_process_group``.
+
+Note: without it every rank would train alone on its own data with no error; DeepSpeed's
+``initialize`` starts the group itself, and scripts written for it never do.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from zeroplug.errors import ZeroplugError
+
+log = logging.getLogger("zeroplug")
+
+# the variables torchrun sets for every rank (env:// rendezvous reads them)
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE as the launcher set it (1 when not launched)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ZeroplugError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number; "
+                            "launch with torchrun, or unset WORLD_SIZE") from None
+
+
+def local_rank() -> int:
+    """This rank's index on its host (LOCAL_RANK; 0 when not launched)."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def start_process_group(device_type: str | None = None, backend: str | None = None,
+                        timeout: float | datetime.timedelta | None = None, init_method: str | None = None,
+                        announce: bool = True) -> bool:
+    """Start the default process group when the launcher's variables say WORLD_SIZE > 1 and
+    none is started; True when distributed. ``device_type``: the training device's type
+    ("cuda" picks nccl, anything else gloo) when ``backend`` is not given; None: cuda when
+    available. A group already started is kept as it is. Raises :class:`ZeroplugError` (one
+    line) when the variables are incomplete or the group cannot start."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    world = launched_world_size()
+    if world <= 1:
+        return False
+    if not dist.is_available():
+        raise ZeroplugError(f"WORLD_SIZE={world} but this torch build has no torch.distributed; "
+                            "install a torch with distributed support, or run one process")
+    missing = [k for k in LAUNCHER_VARS if not os.environ.get(k)] if init_method is None else []
+    if missing:
+        raise ZeroplugError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start the ranks with "
+                            "torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT), or call "
+                            "torch.distributed.init_process_group yourself before zeroplug.initialize")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = backend or default_backend(device_type)
+    if device_type == "cuda" and torch.cuda.is_available():
+        # Note: every rank would otherwise train on cuda:0 (torch's current device)
+        torch.cuda.set_device(local_rank() % torch.cuda.device_count())
+    kw = {}
+    if timeout is not None:
+        kw["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    try:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None or init_method is not None:
+            dist.init_process_group(backend, init_method=init_method, **kw)
+        else:
+            # Note: torchrun's agent serves one store to every attempt of the job, and the keys the
+            # killed attempt's ranks wrote (their addresses) stay in it; a restarted rank may read
+            # a dead peer's address there and fail ("Gloo connectFullMesh failed ... Connection
+            # refused"). A prefix per attempt keeps the attempts apart.
+            store, rank, size = next(dist.rendezvous("env://", **kw))
+            store = dist.PrefixStore(f"zeroplug/attempt_{attempt}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kw)
+    except (RuntimeError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ZeroplugError(f"could not start the {backend} process group of {world} ranks "
+                            f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT="
+                            f"{os.environ.get('MASTER_PORT')}): {first}") from None
+    if announce and dist.get_rank() == 0:
+        log.warning("[zeroplug] started the %s process group of %d ranks from the launcher's "
+                    "environment (torch.distributed.init_process_group was not called)", backend, world)
+    return True
