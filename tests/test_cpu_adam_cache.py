@@ -120,6 +120,25 @@ def test_missing_compiler_said_once_and_eager(monkeypatch, caplog):
     assert sum("no C++ compiler" in r.message for r in caplog.records) == 1
 
 
+def test_a_glitch_inside_the_compiler_search_is_not_a_missing_compiler(monkeypatch):
+    """Only inductor's own "no compiler" verdict counts: another error while a compiler is on
+    the PATH (an import race inside inductor) leaves the compiled kernel in play, so whether
+    the kernel is tested does not depend on which test ran before."""
+    import shutil
+
+    from torch._inductor import config, cpp_builder
+    if not shutil.which("g++"):
+        pytest.skip("no g++ on the PATH")
+
+    def glitch():
+        raise AttributeError("partially initialized module 'torch._inductor.codecache'")
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", glitch)
+    monkeypatch.setattr(config.cpp, "cxx", (None, "g++"))
+    assert ck.compiler_missing() is None
+    monkeypatch.setattr(config.cpp, "cxx", ("/nonexistent/zeroplug-test-g++",))
+    assert "no C++ compiler" in ck.compiler_missing()      # nothing on the PATH: missing, whatever the error
+
+
 def test_step_waits_for_the_warm_up(monkeypatch):
     """A step never builds the kernel beside the warm-up: it waits for it to finish."""
     import threading

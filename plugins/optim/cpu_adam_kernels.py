@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -264,6 +265,12 @@ def compiler_missing() -> str | None:
     except Exception as e:
         from torch._inductor import config
         cxx = [c for c in getattr(config.cpp, "cxx", ()) if c] or ["g++"]
+        if type(e).__name__ != "InvalidCxxCompiler" and any(shutil.which(c) for c in cxx):
+            # Note: not a missing compiler. Inductor imports its cache module lazily inside
+            # the search; while a warm-up thread imports inductor beside this one, that can
+            # surface as an AttributeError of a partly initialised module. The compiler is on
+            # the PATH, so the build itself will say if it cannot run.
+            return None
         return f"no C++ compiler found (looked for {', '.join(cxx)}: {type(e).__name__}); install g++ or set CXX"
     return None
 
