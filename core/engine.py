@@ -134,7 +134,7 @@ class Engine:
         if self.tokens_per_sample is None:
             self.tokens_per_sample = sequence_length(kwargs.get("input_ids", inputs[0] if inputs else None))
         if torch.is_grad_enabled():   # a training forward, not an evaluation
-            self.phase_clock.mark("forward")
+            self.metrics.forward()
         self.partitioner.before_forward()
         return self.module(*inputs, **kwargs)
 

@@ -1,10 +1,17 @@
 """The metrics of each optimizer step, as the engine hands them to the monitors.
 
 Every step gets ``step``, ``lr``, ``loss_scale``, ``grad_norm``, ``skipped``,
-``skipped_steps`` and ``step_time`` (wall time since the previous step ended) plus the
+``skipped_steps`` and ``step_time`` (wall time since the previous step ended; for the first
+step, since its first forward began) plus the
 phase times (``phase_*``, :mod:`zeroplug.observe.phases`); a printed step (every
 ``steps_per_print`` and the first) adds the loss, throughput and memory readings, and the
-first step the memory report (the persistent states exist from there on)."""
+first step the memory report (the persistent states exist from there on).
+
+Note: samples/s and tokens/s are the step's samples (tokens) over ``step_time``, the wall
+time between two step ends: it holds everything the loop waited for, the forward and
+backward, the data, and the CPU work an overlapped optimizer step does after
+``engine.step()`` returned (the next step waits for it before it ends). A timer around a
+part of the step (the backward, or ``engine.step()``) would miss that work."""
 from __future__ import annotations
 
 import time
@@ -22,9 +29,15 @@ class StepMetrics:
         self.timed = (0, 0.0)           # (steps, seconds) for the running average
         self.loss_sum: torch.Tensor | None = None
 
+    def forward(self) -> None:
+        """A training forward begins (the first one starts the first step's wall time)."""
+        if self.last_step_end is None:
+            self.last_step_end = time.perf_counter()
+        self.clock.mark("forward")
+
     def backward(self, loss: torch.Tensor) -> None:
         """A micro-step's loss (detached) joins the window's sum."""
-        if self.last_step_end is None:
+        if self.last_step_end is None:      # a loop that runs its forward outside the engine
             self.last_step_end = time.perf_counter()
         d = loss.detach().float()
         self.loss_sum = d if self.loss_sum is None else self.loss_sum + d

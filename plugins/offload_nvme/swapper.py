@@ -61,6 +61,9 @@ from .swapplan import SwapPlan, plan  # noqa: F401
 
 log = logging.getLogger("zeroplug")
 
+#: threads that copy chunks between the caller's tensors and the pinned I/O buffers
+COPY_THREADS = 2
+
 PIECE = 16 << 20                      # a write starts its requests after each PIECE bytes copied
 
 
@@ -87,7 +90,7 @@ class AsyncSwapper:
     def __init__(self, nvme_path: str, *, buffer_count: int = 4, buffer_size: int = int(1e8),
                  element_size: int = 4, block_size: int = 1 << 20, queue_depth: int = 32,
                  thread_count: int = 16, pin_memory: bool = True, direct: bool = True,
-                 copy_threads: int = 2):
+                 copy_threads: int = COPY_THREADS):
         for name, v in (("buffer_count", buffer_count), ("buffer_size", buffer_size),
                         ("element_size", element_size), ("queue_depth", queue_depth),
                         ("thread_count", thread_count), ("copy_threads", copy_threads)):

@@ -10,7 +10,7 @@ from zeroplug.tiers import TierCapabilities
 from .options import NVMeOptions
 from .param_swap import ParamSwap
 from .swap import SubGroupSwap
-from .swapper import AsyncSwapper, SwapError, SwapPlan, plan
+from .swapper import COPY_THREADS, AsyncSwapper, SwapError, SwapPlan, plan
 
 #: offload_states' swapper: bounce buffers of this many bytes (the states are any size)
 STATES_BUFFER_BYTES = 1 << 26
@@ -34,6 +34,11 @@ class NVMeOffload(HostTier):
     @property
     def capabilities(self) -> TierCapabilities:
         return TierCapabilities(offloaded=True, in_memory=False)
+
+    @classmethod
+    def cpu_workers(cls, options, run, kind) -> dict[str, int]:
+        """The swapper's copy threads (its I/O threads wait for the disk)."""
+        return {"copy": COPY_THREADS}
 
     def prepare(self, optimizer) -> None:
         """Nothing ahead: each sub-group's states are created when it is first brought in

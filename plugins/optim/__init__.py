@@ -67,10 +67,21 @@ class CPUAdamOptions(AdamBaseOptions):
     adamw_mode: bool = opt(True, "true: decoupled weight decay (AdamW); false: L2 (Adam).")
     bias_correction: bool = opt(True, "Apply Adam's bias correction.")
     amsgrad: bool = opt(False, "Not implemented by cpu_adam: setting it true is an error.")
-    threads: int = opt(0, "CPU threads of this rank's optimizer step (torch's intra-op threads too): 0 = the "
-                          "cores this rank may use (CPU affinity and cgroup quota, divided among the ranks of the "
-                          "host, LOCAL_WORLD_SIZE), whatever OMP_NUM_THREADS says; more than that is clamped, "
-                          "with a warning.", min=0)
+    threads: int = opt(0, "CPU threads of this rank's optimizer step (torch's intra-op threads too): 0 = what "
+                          "cpu_plan decides, whatever OMP_NUM_THREADS says; more than the rank's cores is "
+                          "clamped, with a warning. ZEROPLUG_CPU_ADAM_THREADS sets it too (this option wins).",
+                       min=0)
+    cpu_plan: Literal["auto", "measure", "bind", "off"] = opt(
+        "auto", "How the ranks of a host share its CPUs: \"measure\" splits this process's CPU affinity set "
+                "(taskset, Slurm, a container's cpuset) into disjoint sets of whole cores, one per local rank "
+                "(on the NUMA node of its GPU where there are several), binds each rank to its set (its data "
+                "loader workers too), leaves cores for the offload tier's copy threads and the training loop, "
+                "and runs the optimizer with the thread count that stepped fastest when all local ranks "
+                "measured together (on the first run on a machine; cached in zeroplug's cache directory per "
+                "machine, torch version and rank layout); \"bind\" splits and binds without measuring (every "
+                "core of the set not left to others); \"off\" binds nothing and divides the cores among the "
+                "local ranks; \"auto\" = measure when training on a GPU, off on a CPU-only run. Each rank "
+                "prints its plan in one line.")
     while_building: Literal["auto", "eager", "wait"] = opt(
         "auto", "What steps do while the compiled kernel is still being built (the first run on a machine; "
                 "later runs load it from the kernel cache during initialize): \"eager\" builds it in a "
@@ -95,9 +106,21 @@ class CPUAdam(OptimizerFactory):
         return (torch.float32, torch.bfloat16, torch.float16)    # widened inside its one pass
 
     warm_up = None
+    binding = None
+    plan = None
+
+    def plan_mode(self) -> str:
+        mode = self.options.cpu_plan
+        if mode == "auto":
+            mode = "measure" if self.run.device.type != "cpu" else "off"
+        return mode
 
     def begin(self, state_device):
         from .cpu_adam_warmup import WarmUp
+        from .cpu_plan import start
+        # Note: before the warm-up thread starts and before the tiers allocate host buffers
+        # (cpu_plan's module doc: first touch places pages on the binding's NUMA node)
+        self.binding = start(self.run, self.plan_mode())
         mode = self.options.while_building
         if mode == "auto":
             mode = "wait" if self.run.device.type == "cpu" else "eager"
@@ -105,10 +128,21 @@ class CPUAdam(OptimizerFactory):
 
     def build(self, params, device):
         from .cpu_adam import CPUAdam as Impl
-        from .cpu_cores import apply_threads
+        from .cpu_plan import finish, say, tier_workers
         o = self.options
-        first = self.run.rank == 0
-        threads = apply_threads(o.threads, first, log).threads
+        if self.binding is None and self.warm_up is None and self.plan_mode() != "off":
+            from .cpu_plan import start     # built outside initialize
+            self.binding = start(self.run, self.plan_mode())
+        grads = [p.grad.dtype for g in params for p in (g["params"] if isinstance(g, dict) else [g])
+                 if isinstance(p, torch.Tensor) and p.grad is not None]
+        lp = getattr(self.run.config.slot("precision").impl, "param_dtype", torch.float32) if grads else None
+        self.plan = finish(self.run, self.plan_mode(), self.binding, o.threads, tier_workers(self.run),
+                           grads[0] if grads else torch.float32, lp)
+        for warning in self.plan.warnings:
+            if self.run.rank == 0 or not warning.startswith(("optimizer.threads", "ZEROPLUG_")):
+                log.warning("[zeroplug] %s", warning)
+        say(self.plan.describe())
+        threads = self.plan.threads
         optimizer = Impl(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                          adamw_mode=o.adamw_mode, bias_correction=o.bias_correction, threads=threads)
         if self.warm_up is None:        # built outside initialize

@@ -7,7 +7,8 @@ does not set it, which is right for a GPU training loop and three times too slow
 offloaded optimizer step that is bound by host memory bandwidth; DeepSpeed's launcher
 binds cores per rank for the same reason. An explicit count (``[optimizer] threads``)
 wins, then the ``ZEROPLUG_CPU_ADAM_THREADS`` environment variable; one above the rank's share
-is clamped, with a warning.
+is clamped, with a warning. This is the rule of ``cpu_plan = "off"``; :mod:`.cpu_plan` binds
+each rank to its own cores and measures the thread count instead.
 """
 from __future__ import annotations
 
@@ -145,32 +146,3 @@ def choose_threads(explicit: int = 0, cores: int | None = None, ranks: int | Non
             return ThreadChoice(share, cores, ranks, option, warning)
         return ThreadChoice(int(explicit), cores, ranks, option)
     return ThreadChoice(share, cores, ranks, "cores")
-
-
-def apply_threads(explicit: int, announce: bool, log) -> ThreadChoice:
-    """Choose this rank's threads, give torch that many intra-op threads, say so (once).
-
-    Note: torch's thread count is process-wide, and that is the point: the eager kernel
-    (ATen's fused Adam) and the overlapped step's worker thread read it (a thread takes
-    torch's count when it first runs a parallel op), and the compiled kernel is built with
-    the same count fixed in it. On a GPU run the training loop itself barely uses CPU threads."""
-    import torch
-    option, bad = "optimizer.threads", None
-    if not explicit and os.environ.get(THREADS_ENV, "").strip():
-        value = os.environ[THREADS_ENV].strip()
-        option = THREADS_ENV
-        try:
-            explicit = int(value)
-            if explicit < 0:
-                raise ValueError
-        except ValueError:
-            explicit, bad = 0, f"{THREADS_ENV}={value!r} is not a thread count: using the cores available"
-    choice = choose_threads(explicit, option=option)
-    for warning in (bad, choice.warning):
-        if warning and announce:
-            log.warning("[zeroplug] %s", warning)
-    if torch.get_num_threads() != choice.threads:
-        torch.set_num_threads(choice.threads)
-    if announce:
-        log.info("[zeroplug] %s", choice.describe())
-    return choice

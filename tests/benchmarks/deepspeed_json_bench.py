@@ -15,7 +15,9 @@ JSON and prints the same columns, so the peer is measured in the same call; its 
 built just in time on a machine's first run. Rows run one after the other in this process, so
 only the first pays a cold kernel build; run the script twice to see a machine whose
 kernel cache is warm (the second run is what every later run on the machine gets).
-Raw results go to $OUT/deepspeed_json_bench.json when OUT is set.
+Raw results go to $OUT/deepspeed_json_bench.json when OUT is set. Without CUDA it runs on
+the CPU (gloo under torchrun): a smoke test of the script at a small ``--model`` preset.
+tests/benchmarks/offload_hosts.py runs it once per row in fresh processes.
 """
 from __future__ import annotations
 
@@ -48,10 +50,12 @@ DS_INIT = "DeepSpeed: initialize 34-71 s (its CPU Adam built once per machine)"
 def run_row(name: str, args, rank: int, world: int) -> dict:
     path = CONFIGS / ROWS[name][0]
     ds = json.loads(path.read_text())
-    dev = torch.device("cuda", torch.cuda.current_device())
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mcfg = get_preset(args.model, activation_checkpointing=True)
     torch.manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t_init = time.perf_counter()
     engine, model = build_engine(args.engine, path, ds, mcfg, args.set)
     init_s = time.perf_counter() - t_init
@@ -63,14 +67,14 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
             faulthandler.dump_traceback_later(args.trace_stalls, repeat=True)
         x = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
         y = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         loss = engine(x, y)
         t_fwd = sync_time(args.phases)
         engine.backward(loss)
         t_bwd = sync_time(args.phases)
         engine.step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
         if args.phases and rank == 0:
             print(f"step {i + 1} phases (synchronised): forward {t_fwd - t0:.3f} s, backward {t_bwd - t_fwd:.3f} s, "
@@ -89,7 +93,7 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
            "steady_step_s": steady, "first_over_steady": times[0] / steady,
            "tokens_per_s_per_gpu": micro * args.seq / steady,
            "tokens_per_s_per_gpu_total": micro * args.seq * max(1, len(times) - 2) / total_after_warmup,
-           "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB, "times": times,
+           "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB if cuda else 0.0, "times": times,
            "loss_last": float(loss.detach().float())}
     if args.engine == "deepspeed":
         engine.destroy()
@@ -97,7 +101,8 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
         engine.close()
     del engine, model, loss
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return res
 
 
@@ -117,9 +122,14 @@ def build_engine(kind: str, path: Path, ds: dict, mcfg, overrides=()):
     return zeroplug.initialize(model, config), model
 
 
-def sync_time(sync: bool) -> float:
-    if sync:
+def sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def sync_time(wanted: bool) -> float:
+    if wanted:
+        sync()
     return time.perf_counter()
 
 
@@ -146,8 +156,9 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     world = 1
     if "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.distributed.init_process_group("nccl")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank() if world > 1 else 0
     rows = args.rows or (["s3", "s3_offload", "s2_offload"] if world > 1 else ["s3_offload", "s2_offload"])
@@ -159,7 +170,7 @@ def main() -> None:
             print("RESULT " + json.dumps({k: v for k, v in r.items() if k != "times"}), flush=True)
     if rank != 0:
         return
-    gpu = torch.cuda.get_device_name()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{args.model}, {world} x {gpu}, DeepSpeed JSON as-is, engine {args.engine}, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', '(unset)')}; {DS_INIT}")
     print("| run | optimizer | threads | tokens/s per GPU | peak GPU GiB | initialize -> end of step 1 s | "
