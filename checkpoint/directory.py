@@ -1,8 +1,13 @@
 """A checkpoint directory as a run owns it: checked, locked, with room for the next save.
 
 * :func:`prepare` checks a directory before anything is written there: creatable, a
-  directory (not a file), writable. ``zeroplug train`` calls it at start, so a bad
-  ``checkpoint.dir`` fails before the training it would lose.
+  directory (not a file), writable, and changeable by no other user (one owned by another
+  user, or that every user can write, sticky bit or not, is refused: a resume would load
+  what they put there). A group that can write it is trusted (its owner granted it).
+  ``zeroplug train`` calls it at start, so a bad ``checkpoint.dir`` fails before the
+  training it would lose. A directory it creates is 0755 (less under a stricter umask).
+* The lock file is opened without following a link or blocking, and only a regular file is
+  a lock (:mod:`zeroplug.locks`): a FIFO or link there is refused with one error.
 * :func:`hold` takes the directory's lock (``<dir>/.zeroplug.lock``, see
   :mod:`zeroplug.locks`) for an owner (an engine) and keeps it until :func:`release`.
   A second process that would write there is refused, naming the holder. Every engine of
@@ -20,7 +25,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from zeroplug.locks import UNSUPPORTED, describe_holder, read_holder, try_lock
+from zeroplug.trust import data_dir_problem, make_dirs
+from zeroplug.locks import UNSUPPORTED, NotALockFile, describe_holder, read_holder, try_lock
 
 from .files import CheckpointError
 
@@ -86,7 +92,7 @@ def prepare(save_dir) -> Path:
         raise CheckpointError(f"checkpoint.dir {str(d)!r} is a file, not a directory: remove it or set "
                               "checkpoint.dir to another path")
     try:
-        d.mkdir(parents=True, exist_ok=True)
+        make_dirs(d, 0o755)
     except OSError as exc:
         raise CheckpointError(f"checkpoint.dir {str(d)!r}: " + os_error_message(exc, d, "creating")) from None
     if not os.access(d, os.W_OK | os.X_OK):
@@ -97,6 +103,12 @@ def prepare(save_dir) -> Path:
         e = errno.EROFS if ro else errno.EACCES
         raise CheckpointError(f"checkpoint.dir {str(d)!r}: "
                               + os_error_message(OSError(e, os.strerror(e)), d, "writing into"))
+    problem = data_dir_problem(d)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint.dir {str(d)!r} is not used: {problem}, so another user could replace its checkpoints or "
+            f"add one that a resume would load. Fix: chmod o-w {str(d)!r} if it is yours, or set checkpoint.dir "
+            f"to a directory you own (e.g. mkdir -m 755 {os.path.join(str(d), '$USER')!r} if you may)")
     return d
 
 
@@ -121,6 +133,11 @@ def hold(save_dir, owner) -> bool:
         path = os.path.join(key, LOCK)
         try:
             lock = try_lock(path)
+        except NotALockFile as exc:
+            raise CheckpointError(
+                f"checkpoint.dir {str(d)!r}: its lock file {LOCK} is {exc.strerror} (no zeroplug run made it). "
+                f"Fix: remove {path!r} once you know who put it there, or set checkpoint.dir to another "
+                f"directory") from None
         except OSError as exc:
             if exc.errno in UNSUPPORTED:
                 if key not in _WARNED:

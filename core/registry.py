@@ -1,7 +1,8 @@
 """Finding plugins and the named implementations they register.
 
 Plugins load only from the ``zeroplug`` entry-point group (built-ins too).
-Two environment variables filter them by entry-point name, comma-separated:
+Two environment variables filter them by entry-point name, comma-separated, matched
+without regard to case:
 
 * ``ZEROPLUG_PLUGINS_ALLOW`` — if set, only these entry points load.
 * ``ZEROPLUG_PLUGINS_BLOCK`` — these never load.
@@ -41,11 +42,16 @@ class Registered:
     plugin: str      # entry-point name of the plugin that registered it
 
 
+ALLOW_ENV = "ZEROPLUG_PLUGINS_ALLOW"
+BLOCK_ENV = "ZEROPLUG_PLUGINS_BLOCK"
+
+
 def _env_list(var: str) -> set[str] | None:
+    """The names in ``var``, case-folded (entry-point names are matched without case)."""
     raw = os.environ.get(var)
     if raw is None:
         return None
-    return {x.strip() for x in raw.split(",") if x.strip()}
+    return {x.strip().casefold() for x in raw.split(",") if x.strip()}
 
 
 class PluginManager:
@@ -62,10 +68,11 @@ class PluginManager:
 
     def load_entry_points(self, builtin_only: bool = False) -> None:
         """The plugins of the entry-point group (``builtin_only``: those zeroplug ships)."""
-        allow = _env_list("ZEROPLUG_PLUGINS_ALLOW")
-        block = _env_list("ZEROPLUG_PLUGINS_BLOCK") or set()
+        allow = _env_list(ALLOW_ENV)
+        block = _env_list(BLOCK_ENV) or set()
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in block or (allow is not None and ep.name not in allow):
+            name = ep.name.casefold()
+            if name in block or (allow is not None and name not in allow):
                 continue
             if self.pm.has_plugin(ep.name) or builtin_only and (ep.dist is None or ep.dist.name != "zeroplug"):
                 continue
@@ -133,6 +140,13 @@ class PluginManager:
         impls = self.registry()[slot]
         if name not in impls:
             from .errors import ConfigError
+            if not impls:
+                allow = os.environ.get(ALLOW_ENV)
+                why = (f"{ALLOW_ENV}={allow!r} excludes every plugin that provides one (only the entry points "
+                       f"it names load); add the plugin's entry point to it, or unset it"
+                       if allow is not None else
+                       f"no loaded plugin provides one (is {BLOCK_ENV} blocking it?)")
+                raise ConfigError(f"{key} = {name!r}: no {slot} plugin is loaded: {why}", key=key)
             close = difflib.get_close_matches(name, impls, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{key} = {name!r} is not a registered {slot} plugin.{hint} "

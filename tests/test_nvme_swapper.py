@@ -303,7 +303,8 @@ def test_removal_racing_a_writer_leaves_nothing(tmp_path):
     """A transfer still creating files while the directory is removed (the SIGTERM path
     cannot wait for them) must not leave a directory behind, least of all one whose lock
     file is already gone (no later run could tell it from a live one's)."""
-    d, lock = swdir._make_run_dir(str(tmp_path))
+    run = swdir._make_run_dir(str(tmp_path))
+    d, lock = run.path, run.lock
     stop, created = threading.Event(), []
 
     def writer():
@@ -323,7 +324,7 @@ def test_removal_racing_a_writer_leaves_nothing(tmp_path):
     while len(created) < 50 and time.monotonic() < deadline:
         time.sleep(0.001)
     assert created, "the writer never wrote"
-    swdir.remove_run_dir(d, lock)
+    swdir.remove_run_dir(run)
     stop.set()
     t.join()
     assert not lock.held
@@ -362,11 +363,11 @@ def test_a_cleaner_cut_short_leaves_garbage_the_next_one_removes(tmp_path, monke
     class Killed(BaseException):
         pass
 
-    def cut_short(path, ignore_errors=False):
-        os.unlink(os.path.join(path, ".lock"))         # the lock file went first, then the kill
+    def cut_short(held):
+        os.unlink(".lock", dir_fd=held.fd)             # the lock file went first, then the kill
         raise Killed
 
-    monkeypatch.setattr(swdir.shutil, "rmtree", cut_short)
+    monkeypatch.setattr(swdir.HeldDir, "empty", cut_short)
     with pytest.raises(Killed):
         clean_stale(str(tmp_path))
     monkeypatch.undo()
@@ -469,10 +470,10 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
     if where == "open":
         real_open = os.open
 
-        def no_direct(path, flags, *a):
+        def no_direct(path, flags, *a, **k):
             if flags & swmod.O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
-            return real_open(path, flags, *a)
+            return real_open(path, flags, *a, **k)
         monkeypatch.setattr(swmod.os, "open", no_direct)
     with caplog.at_level(logging.WARNING, logger="zeroplug"):
         with small(tmp_path) as sw:

@@ -158,7 +158,9 @@ def _run_child(tmp_path, mode):
         d.mkdir()
     args = [sys.executable, "-c", CHILD, HERE, *map(str, dirs.values()), mode]
     if mode == "real":
-        mounts = (f"mount -t tmpfs -o size=4m tmpfs {dirs['ck']} && mount -t tmpfs -o size=4m tmpfs {dirs['swap']} "
+        # (a checkpoint directory every user can write is refused: a tmpfs is 1777 unless told)
+        mounts = (f"mount -t tmpfs -o size=4m,mode=0755 tmpfs {dirs['ck']} "
+                  f"&& mount -t tmpfs -o size=4m tmpfs {dirs['swap']} "
                   f"&& mount -t tmpfs -o ro,size=64k tmpfs {dirs['ro']}")
         args = ["unshare", "-m", "sh", "-c", mounts + ' && exec "$@"', "sh", *args]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300)

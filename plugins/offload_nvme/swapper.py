@@ -72,7 +72,7 @@ _WARNED_BUFFERED = False
 
 @dataclass
 class _Entry:
-    file: str
+    file: str                # its name in the held directory
     valid: bool = False
 
 
@@ -101,7 +101,7 @@ class AsyncSwapper:
                               key="block_size")
         self._closed = True          # until fully started
         self._dir: str | None = None
-        self._dir_lock = None        # held while the directory exists (see swapdir)
+        self._rundir = None          # the directory, held (see swapdir.RunDir), and its lock
         self._owner = os.getpid()
         self.base = check_path(nvme_path)
         clean_stale(self.base)
@@ -112,7 +112,7 @@ class AsyncSwapper:
         self.direct = bool(direct) and O_DIRECT != 0
         self._direct_ok = False      # a direct request succeeded: EINVAL is then a real error
         self._lock = threading.RLock()   # _done may run inside _submit
-        self._names: dict[Hashable, str] = {}      # key -> file (caller's view, in issue order)
+        self._names: dict[Hashable, str] = {}      # key -> file name (caller's view, in issue order)
         self._sizes: dict[Hashable, int] = {}      # key -> bytes of the last issued write
         self._entries: dict[Hashable, _Entry] = {}  # loop's view: what is on disk
         self._last: dict[Hashable, _CFuture] = {}  # last transfer issued per key (ordering)
@@ -123,7 +123,9 @@ class AsyncSwapper:
         self._loop = None
         self._io = self._copy = None
         self._buffers: list[torch.Tensor] = []
-        self._dir, self._dir_lock = _make_run_dir(self.base)
+        self._rundir = _make_run_dir(self.base)
+        self._held = self._rundir.held  # every file is opened relative to it (never by path)
+        self._dir = self._rundir.path
         with _LIVE_LOCK:
             _LIVE[id(self)] = self
         _install_handlers()
@@ -185,14 +187,14 @@ class AsyncSwapper:
         src = _bytes_of(tensor)
         with self._lock:
             self._check_open()
-            path = self._names.get(key)
-            if path is None:
+            name = self._names.get(key)
+            if name is None:
                 self._files += 1
                 hint = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key))[:60]
-                path = self._names[key] = os.path.join(self._dir, f"{self._files:06d}-{hint}.swp")
+                name = self._names[key] = f"{self._files:06d}-{hint}.swp"
             self._sizes[key] = src.numel()
             self.bytes_written += src.numel()
-            return self._submit(key, self._write(key, path, src, self._last.get(key)), src.numel())
+            return self._submit(key, self._write(key, name, src, self._last.get(key)), src.numel())
 
     def read(self, key: Hashable, out: torch.Tensor) -> SwapFuture:
         """Read ``key``'s bytes into ``out`` (same byte size; any dtype, contiguous, CPU or CUDA)."""
@@ -286,14 +288,16 @@ class AsyncSwapper:
         if self._closed:
             raise SwapError("NVMe swap: the swapper is closed", self._dir)
 
-    def _remove_dir(self) -> None:
+    def _remove_dir(self, fast: bool = False) -> None:
+        """``fast``: the SIGTERM path, with transfers maybe still running (the directory's
+        descriptor stays open, see :func:`.swapdir.remove_run_dir`)."""
         with _LIVE_LOCK:
             _LIVE.pop(id(self), None)
-        d, self._dir = self._dir, None
-        lock, self._dir_lock = self._dir_lock, None
-        if d is None or os.getpid() != self._owner:
+        self._dir = None
+        run, self._rundir = self._rundir, None
+        if run is None or os.getpid() != self._owner:
             return
-        remove_run_dir(d, lock)
+        remove_run_dir(run, close=not fast)
         try:                     # and what dead runs left here (a rank killed beside this one)
             clean_stale(self.base)
         except Exception:        # noqa: BLE001 - cleanup must not raise
@@ -335,17 +339,18 @@ class AsyncSwapper:
     async def _run(self, pool, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    def _open(self, path: str, write: bool) -> int:
+    def _open(self, name: str, write: bool) -> int:
+        """The file ``name`` in the held directory (no link followed, wherever the directory
+        was moved since)."""
         flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
-        flags |= os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         if self.direct:
             try:
-                return os.open(path, flags | O_DIRECT, 0o600)
+                return self._held.open(name, flags | O_DIRECT, 0o600)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._fall_back("EINVAL on open with O_DIRECT")
-        return os.open(path, flags, 0o600)
+        return self._held.open(name, flags, 0o600)
 
     def _fall_back(self, why: str) -> None:
         global _WARNED_BUFFERED
@@ -417,13 +422,13 @@ class AsyncSwapper:
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(o, min(self.buffer_bytes, n - o)) for o in range(0, n, self.buffer_bytes)]
 
-    async def _write(self, key, path: str, src: torch.Tensor, prev) -> None:
+    async def _write(self, key, name: str, src: torch.Tensor, prev) -> None:
         await self._after(prev)
         n = src.numel()
-        self._entries[key] = entry = _Entry(path)
+        self._entries[key] = entry = _Entry(name)
         fd = -1
         try:
-            fd = await self._run(self._io, self._open, path, True)
+            fd = await self._run(self._io, self._open, name, True)
             padded = _align(n)
             size = os.fstat(fd).st_size
             if size < padded:       # allocate up front: ENOSPC before any data moves, and the
@@ -435,10 +440,10 @@ class AsyncSwapper:
             entry.valid = True
         except OSError as exc:
             try:                    # free the space: the old contents are lost anyway
-                os.unlink(path)
+                self._held.unlink(name)
             except OSError:
                 pass
-            raise explain(exc, path, f"writing {key!r} ({n} bytes)",
+            raise explain(exc, self._held.join(name), f"writing {key!r} ({n} bytes)",
                           "The in-memory tensor is intact; the key's data on disk was dropped.") from None
         finally:
             if fd >= 0:
@@ -459,7 +464,7 @@ class AsyncSwapper:
         except OSError as exc:
             note = ("The destination is untouched." if len(chunks) <= 1 else
                     "The destination may be partially overwritten (the tensor is larger than one swap buffer).")
-            raise explain(exc, entry.file, f"reading {key!r} ({n} bytes)", note) from None
+            raise explain(exc, self._held.join(entry.file), f"reading {key!r} ({n} bytes)", note) from None
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -469,6 +474,6 @@ class AsyncSwapper:
         entry = self._entries.pop(key, None)
         if entry is not None:
             try:
-                os.unlink(entry.file)
+                self._held.unlink(entry.file)
             except FileNotFoundError:
                 pass

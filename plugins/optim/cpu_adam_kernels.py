@@ -29,11 +29,13 @@ files can be used on their own.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -240,11 +242,17 @@ def remember_isa_checks(path: str) -> None:
         with lock:      # compiles on several threads must not write the file while it changes
             if key not in known:
                 known[key] = bool(check(isa, code))
-                try:
-                    tmp = f"{path}.{os.getpid()}.tmp"
-                    with open(tmp, "w") as f:
-                        json.dump(known, f, indent=1)
-                    os.replace(tmp, path)
+                try:        # a temporary file made exclusively, at a random name
+                    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                               dir=os.path.dirname(path) or ".")
+                    try:
+                        with os.fdopen(fd, "w") as f:
+                            json.dump(known, f, indent=1)
+                        os.replace(tmp, path)
+                    except BaseException:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp)
+                        raise
                 except OSError:
                     pass            # unwritable: the next process checks again
             return known[key]

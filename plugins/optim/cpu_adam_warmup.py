@@ -13,6 +13,8 @@ is under ``/tmp``, which containers and reboots empty; zeroplug points it at
 root; a ``TORCHINDUCTOR_CACHE_DIR`` already set is kept).
 The ``<cpu>`` part names the CPU model and its instruction-set flags, so a home directory
 shared by different machines never hands one a kernel built for another's vector unit.
+A cache directory that another user could write (or that holds their files) is never
+used: inductor would load their code (:func:`use_cache_dir`).
 
 The warm-up runs on a background thread started first thing in ``initialize``: it points
 inductor at the cache, takes the build lock, recalls the ISA answers and imports the
@@ -44,6 +46,8 @@ import weakref
 
 import torch
 
+from zeroplug.trust import (ancestors_problem, atomic_write, code_dir_problem, existing_ancestor, make_dirs,
+                            open_append, printable)
 from zeroplug.locks import try_lock
 
 from . import cpu_adam_kernels as kernels
@@ -88,9 +92,20 @@ def cache_root(env=None) -> str:
 
 
 def _writable(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    make_dirs(path, 0o700)
     with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
         pass
+
+
+def _usable(path: str) -> tuple[str, str | None]:
+    """(the directory to use for ``path``: resolved, created 0700 where missing; why it is not
+    trusted for code, or None). Raises ``OSError`` where it cannot be created or written."""
+    problem = ancestors_problem(existing_ancestor(path))
+    if problem is not None:     # nothing is created below a directory others can change
+        return path, problem
+    _writable(path)
+    real = os.path.realpath(path)
+    return (path if real == os.path.abspath(path) else real), code_dir_problem(real)
 
 
 def use_cache_dir(env=None) -> tuple[str, str | None]:
@@ -99,23 +114,47 @@ def use_cache_dir(env=None) -> tuple[str, str | None]:
     Returns (the directory the build lock lives in, a warning or None). Note: the setting is
     process-wide (inductor reads the variable for every compile), so a model compiled with
     ``torch.compile`` in this process is cached there too. A directory that cannot be written
-    gives a warning and a private temporary one: the run works, and pays the build."""
+    gives a warning and a private temporary one: the run works, and pays the build.
+
+    Note: inductor loads the shared objects it finds in its cache (and unpickles its entries),
+    so a cache directory that another user can write would run their code in this process.
+    One that is not trusted for code (:func:`zeroplug.trust.code_dir_problem`: owned by
+    another user, writable by others, below such a directory, or holding files of another
+    user) is not used: the default ``~/.cache/zeroplug`` (created 0700) is, or failing that
+    a private temporary directory, with one warning."""
     env = os.environ if env is None else env
     given = env.get("TORCHINDUCTOR_CACHE_DIR")
     if given and os.path.abspath(given) == _inductor_default():
         given = None        # set by inductor itself (importing torch._dynamo does), not chosen
     target = given or os.path.join(cache_root(env), "inductor")
     try:
-        _writable(target)
+        path, problem = _usable(target)
     except OSError as e:
         tmp = tempfile.mkdtemp(prefix="zeroplug-kernels-")
         env["TORCHINDUCTOR_CACHE_DIR"] = tmp
         return tmp, (f"cpu_adam: the kernel cache {target} cannot be written ({e.strerror or e}): building the "
                      f"kernel in {tmp} for this run only; set {CACHE_ENV} (or TORCHINDUCTOR_CACHE_DIR) to a "
                      f"writable directory to build it once per machine")
-    if not given:
-        env["TORCHINDUCTOR_CACHE_DIR"] = target
-    return target, None
+    if problem is None:
+        if path != given:
+            env["TORCHINDUCTOR_CACHE_DIR"] = path
+        return path, None
+    fallback = None
+    default = os.path.join(cache_root({k: v for k, v in env.items() if k != CACHE_ENV}), "inductor")
+    if os.path.realpath(default) != os.path.realpath(target):
+        try:
+            fallback, again = _usable(default)
+        except OSError:
+            fallback = again = None
+        if again is not None:
+            fallback = None
+    if fallback is None:
+        fallback = tempfile.mkdtemp(prefix="zeroplug-kernels-")
+    env["TORCHINDUCTOR_CACHE_DIR"] = fallback
+    which = "TORCHINDUCTOR_CACHE_DIR" if given else CACHE_ENV
+    return fallback, (f"cpu_adam: the kernel cache {printable(target)} is not used, because another user could "
+                      f"put code there that this run would load: {printable(problem)}; using {fallback}. Fix: "
+                      f"set {which} to a directory only you can write (chmod go-w), or unset it")
 
 
 def _inductor_default() -> str | None:
@@ -305,7 +344,7 @@ def _build_in_child(keys, thread_counts, cache_dir: str) -> subprocess.Popen | N
     spec = json.dumps({"keys": [[bool(a), str(g), None if lp is None else str(lp)] for a, g, lp in keys],
                        "threads": list(thread_counts)})
     try:
-        logf = open(os.path.join(cache_dir, BUILD_LOG), "a")
+        logf = os.fdopen(open_append(os.path.join(cache_dir, BUILD_LOG)), "a")
     except OSError:
         logf = subprocess.DEVNULL
     # Note: one compile worker, and (in main) a lower CPU priority: the training steps beside
@@ -371,10 +410,7 @@ def _add_variants(path: str, names: list[str]) -> None:
     """Record ``names`` as built on this machine (atomic; an unwritable cache is not an error)."""
     known = _read_variants(path) | set(names)
     try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(sorted(known), f, indent=1)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(sorted(known), indent=1).encode())
     except OSError:
         pass
 
