@@ -271,6 +271,47 @@ def test_renaming_the_swap_dir_and_planting_a_link_redirects_nothing(tmp_path):
     assert os.path.islink(path)                                    # their link is not ours to remove
 
 
+def test_training_on_a_renamed_and_linked_swap_dir_writes_nothing_through_the_link(tmp_path):
+    """The same during training: stage 2 with the optimizer states on NVMe under a
+    directory every user can write. After the first steps the run's directory is renamed
+    and a link to another user's directory put in its place; the next steps swap every
+    state in and out, their losses equal an untouched run's, and the other directory
+    stays empty."""
+    import zeroplug
+    from toy import ToyNet, batches, train_steps
+
+    def build(path):
+        torch.manual_seed(0)
+        return zeroplug.initialize(ToyNet(), {
+            "zero": {"plugin": "stage2", "sub_group_size": 900}, "optimizer": {"plugin": "adamw", "lr": 1e-2},
+            "batch": {"micro_batch_size": 8}, "monitor": {"plugin": "none"},
+            "offload": {"optimizer": {"plugin": "nvme", "nvme_path": str(path), "buffer_count": 2}}})
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    e = build(clean)
+    want = train_steps(e, batches(6, 8), 6)
+    e.close()
+    base, theirs = tmp_path / "scratch", tmp_path / "theirs"
+    base.mkdir()
+    theirs.mkdir()
+    os.chmod(base, 0o777)
+    os.chmod(theirs, 0o777)
+    e = build(base)
+    data = batches(6, 8)
+    got = train_steps(e, data, 2)
+    swap_path = e.offload_optimizer.swap.swapper.path
+    assert os.path.dirname(swap_path) == str(base)
+    moved = tmp_path / "moved"
+    os.rename(swap_path, moved)
+    os.symlink(theirs, swap_path)
+    got += train_steps(e, data, 4)
+    assert os.listdir(theirs) == [] and any(n.endswith(".swp") for n in os.listdir(moved))
+    e.close()
+    assert got == want
+    assert os.listdir(theirs) == []
+
+
 def test_a_swap_dir_replaced_right_after_mkdir_is_refused(tmp_path, monkeypatch):
     """The window between mkdir and holding it: what is found must be ours and private."""
     from zeroplug.trust import HeldDir
