@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zeroplug.tools import report, tune
     tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core
     report.add_parser(sub)
+    for name in ("launch", "deepspeed"):
+        sub.add_parser(name, help="the `deepspeed` launcher's command line (--num_gpus, --hostfile, --include, "
+                                  "...) run by torchrun; see `zeroplug launch --help`", add_help=False)
     c = sub.add_parser("convert", help="print a DeepSpeed JSON config as zeroplug TOML")
     c.add_argument("file")
     c.set_defaults(fn=cmd_convert)
@@ -204,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("launch", "deepspeed"):     # the script's own arguments follow: no parsing here
+        from zeroplug.deepspeed.launcher.runner import main as launch
+        return launch(argv[1:])
     overrides, rest = _split_overrides(argv)
     args = build_parser().parse_args(rest)
     try:

@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: the ``deepspeed`` command line, run by torchrun (see :mod:`.runner`)."""
