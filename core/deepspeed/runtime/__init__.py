@@ -1,0 +1,1 @@
+"""``deepspeed.runtime``: the memory estimators under their DeepSpeed module paths."""
