@@ -6,6 +6,12 @@
     trainer = L.Trainer(strategy=ZeroplugStrategy("zero.toml"), devices=2, ...)
     trainer.fit(lit_module)
 
+    import zeroplug.integrations.lightning      # registers the strategy names
+    trainer = L.Trainer(strategy="zeroplug_stage_3", ...)   # was "deepspeed_stage_3"
+
+Lightning's ``deepspeed``, ``deepspeed_stage_1`` ... ``deepspeed_stage_3_offload`` names have
+``zeroplug`` counterparts (:data:`STRATEGY_NAMES`), registered when this module is imported.
+
 The LightningModule stays as users write it: ``training_step`` returns the loss,
 ``configure_optimizers`` returns a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (with its
 parameter groups) and optionally a scheduler. The engine computes that optimizer's update
@@ -31,7 +37,7 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
     from lightning.pytorch.plugins.precision import Precision
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.strategies.strategy import _ForwardRedirection
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -246,5 +252,33 @@ class ZeroplugStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         """Nothing: load_checkpoint restored the weights into the engine."""
 
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """``Trainer(strategy="zeroplug_stage_3")`` and the rest of :data:`STRATEGY_NAMES`."""
+        for name, (description, config) in STRATEGY_NAMES.items():
+            strategy_registry.register(name, cls, description=description, override=True, config=config)
 
-__all__ = ["ZeroplugStrategy", "ZeroplugPrecision"]
+
+def _named(stage: int, optimizer: bool = False, param: bool = False) -> dict:
+    config = {"zero": {"plugin": f"stage{stage}"}}
+    offload = {k: {"plugin": "cpu"} for k, on in (("optimizer", optimizer), ("param", param)) if on}
+    return dict(config, offload=offload) if offload else config
+
+
+#: Lightning's ``deepspeed_*`` strategy names with ``zeroplug`` in their place: name -> (description, config)
+STRATEGY_NAMES = {
+    "zeroplug": ("zeroplug with its default config (zero.toml)", None),
+    "zeroplug_stage_1": ("zeroplug ZeRO stage 1", _named(1)),
+    "zeroplug_stage_1_offload": ("zeroplug ZeRO stage 1, optimizer states on the CPU", _named(1, True)),
+    "zeroplug_stage_2": ("zeroplug ZeRO stage 2", _named(2)),
+    "zeroplug_stage_2_offload": ("zeroplug ZeRO stage 2, optimizer states on the CPU", _named(2, True)),
+    "zeroplug_stage_3": ("zeroplug ZeRO stage 3", _named(3)),
+    "zeroplug_stage_3_offload": ("zeroplug ZeRO stage 3, optimizer states and parameters on the CPU",
+                                 _named(3, True, True)),
+}
+
+# Note: Lightning finds the strategies of its own modules only; importing this module registers ours.
+ZeroplugStrategy.register_strategies(StrategyRegistry)
+
+
+__all__ = ["ZeroplugStrategy", "ZeroplugPrecision", "STRATEGY_NAMES"]

@@ -24,6 +24,7 @@ engine's sharded checkpoint (masters, optimizer states, counters), so
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 
@@ -46,6 +47,22 @@ ZEROPLUG_DIR = "zeroplug"
 #: TrainingArguments.optim values zeroplug computes, and as which of its optimizers
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
 
+@dataclasses.dataclass
+class ZeroplugTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` whose ``deepspeed`` (``--deepspeed ds.json``: a DeepSpeed JSON path or
+    dict) configures :class:`ZeroplugTrainer` instead of DeepSpeed, which is neither started nor
+    needed. A script ported with one import line keeps its command line::
+
+        from zeroplug.integrations.transformers import ZeroplugTrainer as Trainer, \\
+            ZeroplugTrainingArguments as TrainingArguments
+    """
+
+    def __post_init__(self):
+        # Note: the plain __post_init__ would start DeepSpeed's config machinery for deepspeed=.
+        self.zeroplug_deepspeed, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+
+
 # Note: the Trainer methods this class overrides are its own internals; a transformers
 # release that renames one would leave the loop half on DDP. Refuse to run instead.
 _REQUIRED = ("_prepare_for_training", "_build_accelerator_args", "_wrap_model", "_move_model_to_device",
@@ -61,8 +78,9 @@ def _refusals(args: TrainingArguments) -> list[str]:
     """TrainingArguments options zeroplug cannot honour, each with its name and why."""
     out = []
     if args.deepspeed:
-        out.append("deepspeed: ZeroplugTrainer trains with zeroplug; pass that DeepSpeed config as "
-                   "zeroplug_config= instead")
+        out.append("deepspeed: ZeroplugTrainer trains with zeroplug; build the arguments with "
+                   "zeroplug.integrations.transformers.ZeroplugTrainingArguments (its deepspeed= is the zeroplug "
+                   "config) or pass that DeepSpeed config as zeroplug_config=")
     if args.fsdp:
         out.append(f"fsdp={args.fsdp!r}: zeroplug shards the model itself (zero.plugin = \"stage3\")")
     if getattr(args, "parallelism_config", None) is not None:
@@ -175,6 +193,8 @@ class ZeroplugTrainer(Trainer):
             raise ConfigError("ZeroplugTrainer(optimizers=/optimizer_cls_and_kwargs=): zeroplug builds the "
                               "optimizer over its own shards; set TrainingArguments.optim, learning_rate, "
                               "weight_decay and lr_scheduler_type instead", key="optimizers")
+        if zeroplug_config is None:
+            zeroplug_config = getattr(targs, "zeroplug_deepspeed", None)
         self.engine = None
         self._engine_model = None
         super().__init__(*args, **kwargs)
@@ -325,4 +345,4 @@ def _replaced(obj, name: str, value):
         delattr(obj, name)
 
 
-__all__ = ["ZeroplugTrainer", "trainer_config"]
+__all__ = ["ZeroplugTrainer", "ZeroplugTrainingArguments", "trainer_config"]
