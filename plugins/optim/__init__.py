@@ -129,6 +129,7 @@ class CPUAdam(OptimizerFactory):
     def build(self, params, device):
         from .cpu_adam import CPUAdam as Impl
         from .cpu_plan import finish, say, tier_workers
+        from .cpu_topology import local_rank
         o = self.options
         if self.binding is None and self.warm_up is None and self.plan_mode() != "off":
             from .cpu_plan import start     # built outside initialize
@@ -139,7 +140,7 @@ class CPUAdam(OptimizerFactory):
         self.plan = finish(self.run, self.plan_mode(), self.binding, o.threads, tier_workers(self.run),
                            grads[0] if grads else torch.float32, lp)
         for warning in self.plan.warnings:
-            if self.run.rank == 0 or not warning.startswith(("optimizer.threads", "ZEROPLUG_")):
+            if self.plan.own(warning) or local_rank() == 0:     # what every rank of the host shares: once
                 log.warning("[zeroplug] %s", warning)
         say(self.plan.describe())
         threads = self.plan.threads

@@ -72,6 +72,11 @@ class Plan:
     rate: float | None = None          # elements per second at ``threads``
     warnings: list = field(default_factory=list)
 
+    @staticmethod
+    def own(warning: str) -> bool:
+        """Whether a warning is this rank's alone (its own cache file), not the host's."""
+        return "the cache file" in warning
+
     def describe(self) -> str:
         where = f"cores {format_cpulist(self.cpus)}" if self.cpus else "not bound"
         parts = [f"cpu plan: rank {self.rank} {where}", _count(self.threads, "optimizer")]
