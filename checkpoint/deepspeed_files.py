@@ -12,8 +12,9 @@ A DeepSpeed checkpoint directory (``engine.save_checkpoint(dir)``)::
 
 The files are pickles. :func:`load_deepspeed_file` reads them with
 ``torch.load(weights_only=True)``; the few DeepSpeed classes that DeepSpeed pickles in them
-(:data:`STAND_INS`: the ZeRO stage enum, a loss scaler, a fragment address) are read into
-stand-in classes of our own that only hold attributes. A file that names any other class
+(:data:`STAND_INS`: the ZeRO stage enum, a loss scaler, a fragment address; any other class
+of the loss-scaler and fragment modules, :data:`DATA_MODULES`) are read into stand-in classes
+of our own that only hold attributes. A file that names any other class
 or function is refused before it is unpickled (``torch.serialization``'s list of the
 globals a file needs), naming it.
 """
@@ -46,6 +47,9 @@ class ZeroStageEnum(enum.IntEnum):
 class _Attributes:
     """Attributes only: what a pickled DeepSpeed object holds, without its methods."""
 
+    def __init__(self, *args, **kwargs):
+        pass
+
     def __repr__(self):
         return f"{type(self).__name__}({vars(self)})"
 
@@ -72,22 +76,40 @@ STAND_INS = {
 }
 
 
+#: modules whose classes DeepSpeed pickles as plain attribute holders (its loss scalers, the
+#: fragment address): a class of theirs not in :data:`STAND_INS` (another DeepSpeed release's)
+#: is read into an attribute-only stand-in made for it
+DATA_MODULES = ("deepspeed.runtime.fp16.loss_scaler.", "deepspeed.utils.tensor_fragment.")
+_MADE: dict[str, type] = {}
+
+
+def _stand_in(name: str) -> type | None:
+    if name in STAND_INS:
+        return STAND_INS[name]
+    if not name.startswith(DATA_MODULES) or not name.rsplit(".", 1)[-1].isidentifier():
+        return None
+    if name not in _MADE:
+        _MADE[name] = type(name.rsplit(".", 1)[-1], (_Attributes,), {"__doc__": f"Stand-in for ``{name}``."})
+    return _MADE[name]
+
+
 def load_deepspeed_file(path, mmap: bool = True):
     """``torch.load`` of a DeepSpeed checkpoint file with ``weights_only=True`` and the
-    stand-ins of :data:`STAND_INS`; anything else it names is refused unread."""
+    stand-ins of :data:`STAND_INS` (and :data:`DATA_MODULES`); anything else it names is
+    refused unread."""
     path = Path(path)
     try:
         needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception as exc:
         raise CheckpointError(f"{path}: not a readable torch file ({type(exc).__name__}: {exc})") from None
-    refused = [g for g in needed if g not in STAND_INS]
+    refused = [g for g in needed if _stand_in(g) is None]
     if refused:
         raise CheckpointError(
             f"{path} pickles {refused[0]}{f' (and {len(refused) - 1} more)' if len(refused) > 1 else ''}, "
             f"which is not one of the DeepSpeed data classes zeroplug reads ({', '.join(sorted(STAND_INS))}); "
             "refused, since unpickling it could run code. Load it with DeepSpeed and save the state you need "
             "as tensors")
-    allow = [(STAND_INS[g], g) for g in needed]
+    allow = [(_stand_in(g), g) for g in needed]
     try:
         with torch.serialization.safe_globals(allow):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -209,6 +209,28 @@ def test_unknown_pickled_class_refused_unread(tmp_path, reference):
         engine.load_checkpoint(tmp_path)
 
 
+def test_other_loss_scaler_class_read_as_attributes(tmp_path, reference):
+    """A loss-scaler class of another DeepSpeed release: attributes only, nothing of its code."""
+    import deepspeed_ckpt
+    model, opt, _ = reference
+
+    class LossScaleState:
+        def __init__(self):
+            self.cur_scale = 4.0
+
+        def __setstate__(self, state):      # not ours to run: the stand-in has no such method
+            raise AssertionError("ran the pickled class's code")
+
+    LossScaleState.__qualname__ = "LossScaleState"
+    deepspeed_ckpt._CLASSES["deepspeed.runtime.fp16.loss_scaler"].append(LossScaleState)
+    try:
+        d = write_deepspeed_checkpoint(tmp_path, model, opt, 2, 1, client_state={"scaler": LossScaleState()})
+    finally:
+        deepspeed_ckpt._CLASSES["deepspeed.runtime.fp16.loss_scaler"].remove(LossScaleState)
+    got = load_deepspeed_file(d / "mp_rank_00_model_states.pt")["scaler"]
+    assert type(got).__name__ == "LossScaleState" and got.cur_scale == 4.0
+
+
 def test_incomplete_checkpoint_refused(tmp_path, reference):
     model, opt, _ = reference
     d = write_deepspeed_checkpoint(tmp_path, model, opt, 2, 3)
