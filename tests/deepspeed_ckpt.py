@@ -109,6 +109,13 @@ def write_deepspeed_checkpoint(save_dir, model: torch.nn.Module, optimizer: torc
     d = Path(save_dir) / tag
     d.mkdir(parents=True, exist_ok=True)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    first = {}
+    shared = {}                 # DeepSpeed's shared_params: {alias: the name param_shapes uses}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            shared[n] = first[id(p)]
+        else:
+            first[id(p)] = n
     state = optimizer.state
     hp = _groups(optimizer)[0]
 
@@ -122,7 +129,7 @@ def write_deepspeed_checkpoint(save_dir, model: torch.nn.Module, optimizer: torc
                  "bf16": {"enabled": dtype == torch.bfloat16}}
     module = OrderedDict()
     for k, v in model.state_dict().items():
-        is_param = any(k == n for n, _ in named)
+        is_param = any(k == n for n, _ in named) or k in shared
         if is_param and stage == 3:
             module[k] = torch.empty(0, dtype=dtype)
         else:
@@ -228,7 +235,7 @@ def write_deepspeed_checkpoint(save_dir, model: torch.nn.Module, optimizer: torc
             model_files = [d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
 
         ms = {"module": module, "buffer_names": buffer_names, "optimizer": None, "param_shapes": shapes,
-              "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
+              "frozen_param_shapes": None, "shared_params": shared, "frozen_param_fragments": None,
               "lr_scheduler": lr_scheduler, "data_sampler": None, "random_ltd": None,
               "sparse_tensor_module_names": set(), "skipped_steps": skipped_steps, "global_steps": global_steps,
               "global_samples": global_steps * 2 * world, "dp_world_size": world, "mp_world_size": 1,

@@ -163,6 +163,50 @@ def test_layout_variants(tmp_path, reference, variant):
     assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
 
 
+class TiedNet(ToyNet):
+    """The head shares the embedding's weight (as GPT-2's lm_head does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head.weight = self.emb.weight
+
+
+def test_tied_weights(tmp_path):
+    torch.manual_seed(0)
+    model = TiedNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    data = batches(BEFORE + AFTER, GLOBAL_BATCH)
+    for _ in range(BEFORE):
+        x, y = next(data)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    write_deepspeed_checkpoint(tmp_path, model, opt, 3, 2, global_steps=BEFORE)
+    ref = []
+    for x, y in data:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    torch.manual_seed(9)
+    engine = zeroplug.initialize(TiedNet(), config(2, 1))
+    engine.load_checkpoint(tmp_path)
+    data = batches(BEFORE + AFTER, GLOBAL_BATCH)
+    for _ in range(BEFORE):
+        next(data)
+    got = []
+    for x, y in data:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        got.append(loss.item())
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    from zeroplug.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    assert sd["head.weight"] is sd["emb.weight"]
+
+
 def test_fp16_loss_scale_restored(tmp_path, reference):
     model, opt, _ = reference
     write_deepspeed_checkpoint(tmp_path, model, opt, 2, 2, dtype=torch.float16, global_steps=BEFORE,
