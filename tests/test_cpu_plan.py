@@ -218,6 +218,15 @@ def test_two_ranks_split_the_cores(tmp_path):
     for rank, (aff, threads, log) in enumerate(res):
         plural = "s" if threads != 1 else ""
         assert f"cpu plan: rank {rank} cores {format_cpulist(aff)}, {threads} optimizer thread{plural}, measured" in log
+    # one rank's cached plan gone: both measure again together (the same collectives on both)
+    plans = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) if d.endswith(cpu_plan_cache.SUBDIR)
+                   for f in fs)
+    assert len(plans) == 2
+    os.unlink(plans[0])
+    res = run_ranks(_ranks_plan, 2, str(tmp_path))
+    assert all(", measured " in log for _, _, log in res)
+    res = run_ranks(_ranks_plan, 2, str(tmp_path))
+    assert all(", cached " in log for _, _, log in res)
 
 
 def test_tiers_declare_their_worker_threads(tmp_path):

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cpu_topology as topo_mod
-from .cpu_cores import THREADS_ENV, available_cores, cgroup_cpu_limit, choose_threads, local_ranks
+from .cpu_cores import THREADS_ENV, cgroup_cpu_limit, choose_threads, local_ranks
 from .cpu_topology import Topology, format_cpulist, split
 
 log = logging.getLogger("zeroplug")
@@ -319,9 +319,7 @@ def finish(run, mode: str, binding: Binding | None, explicit: int, workers: dict
         return _apply(plan)
     warnings += binding.warnings
     loop = 1 if run.device.type == "cuda" else 0
-    most = budget(binding.cores, workers, loop)
-    if not binding.cpus:        # not bound: one thread (the set is smaller than the ranks)
-        most = 1 if binding.warnings else max(1, available_cores() // max(1, binding.topology.local_ranks))
+    most = budget(binding.cores, workers, loop)     # a set smaller than the ranks: 1 core
     if asked:
         threads = asked
         limit = max(1, len(binding.cpus) or most)
@@ -330,18 +328,29 @@ def finish(run, mode: str, binding: Binding | None, explicit: int, workers: dict
                             f"({format_cpulist(binding.cpus) or 'not bound'}): using {limit}")
             threads = limit
         return _apply(Plan(run.rank, binding.cpus, threads, workers, option, None, warnings))
-    if mode == "bind" or not binding.cpus:
+    if mode == "bind":
         return _apply(Plan(run.rank, binding.cpus, most, workers, "bind", None, warnings))
-    key = cache.key(binding.topology, binding.cpus, most, grad_dtype, lp_dtype)
-    found, why = cache.load(key)
-    if why:
-        warnings.append(why)
-    need = 1.0 if found is None else 0.0
+    # Note: from here on every rank makes the same collective calls (one all-reduce, one
+    # barrier per measured count), whether it measures or not: a rank left unbound (its
+    # binding failed) or holding a cached plan still meets the others at each of them.
+    key = found = None
+    if binding.cpus:
+        key = cache.key(binding.topology, binding.cpus, most, grad_dtype, lp_dtype)
+        found, why = cache.load(key)
+        if why:
+            warnings.append(why)
+    need = 1.0 if binding.cpus and found is None else 0.0
     if run.comm.distributed:
         import torch.distributed as dist
         need = run.comm.all_reduce_scalar(need, op=dist.ReduceOp.MAX)
-    if not need and found is not None:
+    if not need:
+        if found is None:
+            return _apply(Plan(run.rank, binding.cpus, most, workers, "bind", None, warnings))
         return _apply(Plan(run.rank, binding.cpus, found["threads"], workers, "cached", found.get("rate"), warnings))
+    if not binding.cpus:
+        for _ in FRACTIONS:
+            run.comm.barrier()
+        return _apply(Plan(run.rank, binding.cpus, most, workers, "bind", None, warnings))
     rates, error = calibrate(candidates(most), run.comm.barrier, grad_dtype, lp_dtype)
     if error or not rates:
         warnings.append(f"cpu plan: the thread count could not be measured ({error or 'no result'}): "
