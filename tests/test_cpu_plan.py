@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from zeroplug.plugins.optim import cpu_plan, cpu_plan_cache
 from zeroplug.plugins.optim.cpu_topology import Topology, format_cpulist, parse_cpulist, split
@@ -237,3 +238,13 @@ def test_tiers_declare_their_worker_threads(tmp_path):
     assert cpu_plan.tier_workers(run) == {"copy": 4}       # each swapper's copy threads
     _, run, _ = make_run({"zero": {"plugin": "stage2"}, "offload": {"optimizer": {"plugin": "cpu"}}}, device="cpu")
     assert cpu_plan.tier_workers(run) == {}
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_calibration_steps_each_gradient_dtype(grad_dtype):
+    """One rank keeps bf16 gradients on the host: the measurement steps them as the run will
+    (a gradient of another dtype than its fp32 master is passed beside it, never as .grad)."""
+    met = []
+    rates, error = cpu_plan.calibrate([1, 2], lambda: met.append(1), grad_dtype=grad_dtype, elements=1 << 15)
+    assert error is None and set(rates) == {1, 2} and all(r > 0 for r in rates.values())
+    assert len(met) == 2                                 # one barrier per count

@@ -233,10 +233,10 @@ def calibrate(counts, barrier, grad_dtype=torch.bfloat16, lp_dtype=torch.bfloat1
     rates: dict = {}
     error = None
     before = torch.get_num_threads()
-    opt = p = lp = None
+    opt = p = g = lp = None
     try:
         p = torch.zeros(n, dtype=torch.float32)
-        p.grad = torch.full((n,), 1e-3, dtype=grad_dtype)
+        g = torch.full((n,), 1e-3, dtype=grad_dtype)   # passed beside p: torch refuses a bf16 p.grad
         lp = torch.empty(n, dtype=lp_dtype) if lp_dtype is not None else None
         opt = CPUAdam([p], lr=1e-3, impl="eager")
     except Exception as e:      # memory, most likely
@@ -247,18 +247,18 @@ def calibrate(counts, barrier, grad_dtype=torch.bfloat16, lp_dtype=torch.bfloat1
             continue
         try:
             torch.set_num_threads(t)
-            opt.step_param(p, lp_out=lp)           # first touch, thread start
+            opt.step_param(p, g, lp_out=lp)        # first touch, thread start
             times = []
             for _ in range(REPS):
                 t0 = time.perf_counter()
-                opt.step_param(p, lp_out=lp)
+                opt.step_param(p, g, lp_out=lp)
                 times.append(time.perf_counter() - t0)
             rate = n / max(statistics.median(times), 1e-9)
             rates[t] = max(rates.get(t, 0.0), rate)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
     torch.set_num_threads(before)
-    del opt, p, lp
+    del opt, p, g, lp
     return rates, error
 
 
