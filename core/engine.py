@@ -23,22 +23,12 @@ from . import config as config_mod
 from .comm import Comm
 from .errors import StateError, StepFailedError
 from zeroplug.launch import start_process_group
-from zeroplug.observe.metrics import StepMetrics
+from zeroplug.observe.metrics import StepMetrics, sequence_length
 from zeroplug.warmup import warm_up_cuda
 from .registry import get_plugin_manager
 from .slots import RunContext, takes_grad_scale
 
 log = logging.getLogger("zeroplug")
-
-
-def sequence_length(batch) -> int | None:
-    """Tokens per sample of a model input: dim 1 of the input ids, looking inside a batch passed
-    whole (a tuple, list or dict, as Lightning's ``training_step(batch, i)`` gets it)."""
-    if isinstance(batch, dict):
-        batch = batch.get("input_ids", next(iter(batch.values()), None))
-    elif isinstance(batch, (list, tuple)):
-        batch = batch[0] if batch else None
-    return int(batch.shape[1]) if torch.is_tensor(batch) and batch.dim() >= 2 else None
 
 
 def _default_device() -> torch.device:

@@ -69,3 +69,13 @@ class StepMetrics:
             trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
             metrics["memory_report"] = format_memory_report(engine.memory_report(), trainable)
         return metrics
+
+
+def sequence_length(batch) -> int | None:
+    """Tokens per sample of a model input: dim 1 of the input ids, looking inside a batch passed
+    whole (a tuple, list or dict, as Lightning's ``training_step(batch, i)`` gets it)."""
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids", next(iter(batch.values()), None))
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0] if batch else None
+    return int(batch.shape[1]) if torch.is_tensor(batch) and batch.dim() >= 2 else None

@@ -341,7 +341,7 @@ def test_tokens_are_counted_from_keyword_input_ids():
 
 def test_tokens_are_counted_from_a_batch_passed_whole():
     """Lightning calls the model with the whole batch: (x, y) or a dict; 2-D inputs only."""
-    from zeroplug.engine import sequence_length
+    from zeroplug.observe.metrics import sequence_length
     x = torch.zeros(4, 17, dtype=torch.long)
     assert sequence_length((x, x)) == sequence_length([x]) == sequence_length({"input_ids": x}) == 17
     assert sequence_length({"pixel_values": x}) == 17 and sequence_length(x) == 17
