@@ -80,7 +80,11 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.path}: partition_count {count} but {self.world} optimizer files "
                                   "(an incomplete save, or expert parallelism, which zeroplug does not read)")
         self.lean = "zero_stage" in first        # DeepSpeedZeroOptimizer drops the padding of its partitions
-        del first
+        # the partition size of each group, as rank 0's file has it (its elements and padding)
+        flats0 = first.get("single_partition_of_fp32_groups") or [] if self.stage < 3 else []
+        pads0 = first.get("group_paddings") or [0] * len(flats0)
+        self._parts = [int(f.numel()) + (int(p) if self.lean else 0) for f, p in zip(flats0, pads0)]
+        del first, flats0
         self.model_path = model_file(self.path, self.stage)
         ms = load_deepspeed_file(self.model_path)
         self.model_states = ms
@@ -124,8 +128,7 @@ class DeepSpeedCheckpoint:
                 segs = []
                 for g, params in enumerate(self.groups):
                     total = sum(_numel(s) for _, s in params)
-                    align = 2 * self.world
-                    part = (-(-total // align) * align) // self.world
+                    part = self.group_partition(g)
                     r0, r1 = r * part, min(total, (r + 1) * part)
                     o = 0
                     for name, shape in params:
@@ -138,9 +141,17 @@ class DeepSpeedCheckpoint:
         return out
 
     def group_partition(self, g: int) -> int:
+        """Elements per rank of group ``g``'s flat buffer: rank 0's partition with its padding
+        (DeepSpeed pads the buffer to a multiple of ``2 * world``: the same, when it agrees)."""
         total = sum(_numel(s) for _, s in self.groups[g])
-        align = 2 * self.world
-        return (-(-total // align) * align) // self.world
+        if len(self._parts) != len(self.groups):
+            raise CheckpointError(f"{self.files[0]}: {len(self._parts)} fp32 partition(s) but param_shapes has "
+                                  f"{len(self.groups)} parameter group(s)")
+        part = self._parts[g]
+        if part * self.world < total or (part - 1) * self.world >= total + 2 * self.world:
+            raise CheckpointError(f"{self.files[0]}: group {g}'s partitions of {part} elements on {self.world} "
+                                  f"ranks do not hold its {total} elements")
+        return part
 
     # -- per rank ----------------------------------------------------------------------
     def rank_pieces(self, rank: int, optim: bool = True) -> tuple[dict, dict]:
@@ -181,13 +192,14 @@ class DeepSpeedCheckpoint:
                     pieces.setdefault(name, []).append(self._piece(flats[k], states[k], a, a + n, x - lo))
                     a, x = a + n, x + n
         else:
+            pads = osd.get("group_paddings") or [0] * len(flats)
             for g, f in enumerate(flats):
                 part = self.group_partition(g)
                 total = sum(_numel(s) for _, s in self.groups[g])
                 lean = max(0, min(part, total - rank * part))
-                if f.numel() not in (part, lean):
-                    raise CheckpointError(f"{where}: group {g}'s fp32 partition has {f.numel()} elements; "
-                                          f"expected {lean} (or {part} with padding)")
+                if f.numel() + (int(pads[g]) if self.lean else 0) != part or f.numel() < lean:
+                    raise CheckpointError(f"{where}: group {g}'s fp32 partition has {f.numel()} elements (padding "
+                                          f"{pads[g]}); rank 0's partitions have {part}")
             for name, a, b, g, x in self._index[rank][0]:
                 pieces.setdefault(name, []).append(self._piece(flats[g], states[g], a, b, x))
         return pieces, {"step": step, "group": group, "keys": sorted({k for s in states for k in s})}
