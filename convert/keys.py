@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zeroplug.errors import ConfigError
+
 SAME, TRANSLATED, IGNORED, REFUSED = "same", "translated", "ignored", "refused"
 ANY, OFF = "any", "off"
 
@@ -465,3 +467,21 @@ def compat_markdown() -> str:
             "* `zero_optimization.cpu_offload` together with `offload_optimizer` (and the same for "
             "`cpu_offload_param` / `offload_param`).", ""]
     return "\n".join(out)
+
+
+#: Where DeepSpeed picks a strategy with a key of the table (zero_optimization.stage, offload's
+#: device, optimizer's type), a zeroplug slot picks its plugin by name: the key, and the
+#: plugin name its value becomes.
+SELECTOR_KEYS = {"zero": ("stage", "stage{}"), "offload.optimizer": ("device", "{}"),
+                 "offload.param": ("device", "{}"), "optimizer": ("type", "{}")}
+
+
+def selector_key_error(path: str, slot: str, table: dict) -> None:
+    """A ConfigError naming the plugin to pick when a zeroplug slot table holds DeepSpeed's
+    selector key (``[zero] stage = 2``), instead of a bare "unknown key"."""
+    if path in SELECTOR_KEYS and SELECTOR_KEYS[path][0] in table:
+        key, plugin = SELECTOR_KEYS[path]
+        value = plugin.format(str(table[key]).lower())
+        raise ConfigError(f"unknown key {path}.{key}: zeroplug picks the {slot} plugin by name, "
+                          f"[{path}] plugin = \"{value}\" (DeepSpeed's \"{key}\"); a DeepSpeed JSON "
+                          f"config is also accepted as it is", key=f"{path}.{key}")

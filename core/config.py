@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .convert.keys import selector_key_error
 from .options import AUTO, build_options, check_keys, opt, suggest
 
 if sys.version_info >= (3, 11):
@@ -27,7 +28,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 @dataclass(frozen=True)
 class BatchOptions:
-    """Batch sizes, clipping, the metrics line, and the first step's CUDA warm-up."""
+    """Batch sizes, clipping, the metrics line, and what makes the first and every step steady."""
     micro_batch_size: int | Literal["auto"] = opt(
         AUTO, "Samples per rank per forward pass (DeepSpeed: train_micro_batch_size_per_gpu).",
         min=1, alias=("train_micro_batch_size_per_gpu",))
@@ -43,6 +44,11 @@ class BatchOptions:
               "backward once at this many rows (tokens of a micro batch; fewer where one output "
               "would pass 512 MiB), so that the first step does not pay cuBLAS's set-up and the "
               "first load of its kernels; 0 turns this warm-up off.", min=0)
+    freeze_gc: bool | Literal["auto"] = opt(
+        AUTO, "At the end of `initialize`, collect Python's garbage once and freeze what is alive "
+              "(gc.freeze), so that the collector's full passes during training walk only what the "
+              "steps create instead of stalling one step now and then for every object of the "
+              "process; close() unfreezes. \"auto\" = on a CUDA device (where a step is short).")
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,6 @@ SLOT_TABLES = {
     "monitor": ("monitor", "stdout"),
 }
 CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions}
-#: Where DeepSpeed picks a strategy with a key of the table (zero_optimization.stage, offload's
-#: device, optimizer's type), a zeroplug slot picks its plugin by name: the key, and the
-#: plugin name its value becomes.
-DEEPSPEED_SELECTORS = {"zero": ("stage", "stage{}"), "offload.optimizer": ("device", "{}"),
-                       "offload.param": ("device", "{}"), "optimizer": ("type", "{}")}
 
 
 @dataclass(frozen=True)
@@ -216,12 +217,7 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
         table = dict(raw.get("offload", {}).get(path.split(".")[1], {}) if path.startswith("offload.")
                      else raw.get(path, {}))
         name = table.pop("plugin", default)
-        if path in DEEPSPEED_SELECTORS and DEEPSPEED_SELECTORS[path][0] in table:
-            key, plugin = DEEPSPEED_SELECTORS[path]
-            value = plugin.format(str(table[key]).lower())
-            raise ConfigError(f"unknown key {path}.{key}: zeroplug picks the {slot} plugin by name, "
-                              f"[{path}] plugin = \"{value}\" (DeepSpeed's \"{key}\"); a DeepSpeed JSON "
-                              f"config is also accepted as it is", key=f"{path}.{key}")
+        selector_key_error(path, slot, table)
         impl = pm.registry()[slot].get(name) if isinstance(name, str) else None
         for t in getattr(impl.impl, "shared_tables", ()) if impl else ():
             if t in raw:

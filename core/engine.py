@@ -11,6 +11,7 @@ It holds no strategy of its own. Per optimizer step:
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -112,6 +113,13 @@ class Engine:
         warm_up_cuda(model, self.precision.param_dtype, run.device, b.warm_up_rows, run.comm,
                      self.precision.reduce_dtype)
         factory.ready()
+        # Note: a full pass of the cyclic collector walks every tracked object (hundreds of
+        # thousands once torch, a model and its libraries are loaded) and lands in whichever
+        # step allocates past its threshold. What is alive now lives for the run.
+        self._froze_gc = b.freeze_gc is True or b.freeze_gc == "auto" and run.device.type == "cuda"
+        if self._froze_gc:
+            gc.collect()
+            gc.freeze()
         # Note: ranks end their set-up at different times (kernel loads, pinning); meeting
         # here keeps that wait in initialize instead of in the first step's first collective
         run.comm.barrier()
@@ -317,6 +325,8 @@ class Engine:
         for m in self.monitors:
             self.plugin_manager.detach(f"zeroplug-monitor-{id(m):x}")
         self._mover.close()
+        if self._froze_gc:
+            gc.unfreeze()
         self.offload_optimizer.close()
         self.offload_param.close()
         self.partitioner.close()      # its hooks on the model's parameters held every state alive

@@ -62,6 +62,15 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
     micro = ds["train_micro_batch_size_per_gpu"]
     g = torch.Generator(device=dev).manual_seed(rank)
     times = []
+    full_gc = []                  # seconds of each full (generation 2) pass of Python's collector
+
+    def on_gc(phase, info, _t=[0.0]):
+        if info.get("generation") == 2:
+            if phase == "start":
+                _t[0] = time.perf_counter()
+            else:
+                full_gc.append(time.perf_counter() - _t[0])
+    gc.callbacks.append(on_gc)
     for i in range(args.steps):
         if args.trace_stalls:    # every thread's stack each N s while a step runs: where a slow step waits
             faulthandler.dump_traceback_later(args.trace_stalls, repeat=True)
@@ -83,6 +92,7 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
             faulthandler.cancel_dump_traceback_later()
         if rank == 0 and args.log:
             print(f"step {i + 1}: {times[-1]:.3f} s", flush=True)
+    gc.callbacks.remove(on_gc)
     steady = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     total_after_warmup = sum(times[2:]) if len(times) > 2 else times[-1]
     res = {"row": name, "config": path.name, "world": world, "model": args.model, "steps": args.steps,
@@ -94,7 +104,7 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
            "tokens_per_s_per_gpu": micro * args.seq / steady,
            "tokens_per_s_per_gpu_total": micro * args.seq * max(1, len(times) - 2) / total_after_warmup,
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GB if cuda else 0.0, "times": times,
-           "loss_last": float(loss.detach().float())}
+           "loss_last": float(loss.detach().float()), "full_gc_passes_s": [round(t, 4) for t in full_gc]}
     if args.engine == "deepspeed":
         engine.destroy()
     else:
