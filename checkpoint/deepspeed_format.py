@@ -459,7 +459,13 @@ def load_deepspeed_checkpoint(engine, load_dir, tag=None, load_optimizer_states:
     comm.barrier()
     log.info("[zeroplug] loaded DeepSpeed ZeRO-%d checkpoint %s (%d ranks, step %d)", ck.stage, path, ck.world,
              ck.global_steps)
-    return str(path), ck.client_state()
+    client = ck.client_state()
+    sched = ck.model_states.get("lr_scheduler")
+    if load_lr_scheduler_states and not load_module_only and isinstance(sched, dict) and "last_epoch" in sched:
+        # a torch LR scheduler's state: zeroplug.deepspeed's engine gives it back to the scheduler
+        from zeroplug.deepspeed.engine import SCHEDULER_KEY
+        client.setdefault(SCHEDULER_KEY, sched)
+    return str(path), client
 
 
 def load_any(engine, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -207,6 +207,27 @@ def test_tied_weights(tmp_path):
     assert sd["head.weight"] is sd["emb.weight"]
 
 
+def test_torch_scheduler_state_reaches_zeroplug_deepspeed(tmp_path, reference):
+    """A torch LR scheduler DeepSpeed saved (``lr_scheduler`` of the model states) is restored
+    into the scheduler given to ``zeroplug.deepspeed.initialize``."""
+    import zeroplug.deepspeed as deepspeed
+    model, opt, _ = reference
+    saved = torch.optim.lr_scheduler.StepLR(torch.optim.AdamW(ToyNet().parameters(), lr=LR), step_size=2)
+    for _ in range(BEFORE):
+        saved.optimizer.step()
+        saved.step()
+    write_deepspeed_checkpoint(tmp_path, model, opt, 2, 2, global_steps=BEFORE, lr_scheduler=saved.state_dict())
+    net = ToyNet()
+    adam = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.StepLR(adam, step_size=2)
+    engine, _, _, lr_scheduler = deepspeed.initialize(model=net, optimizer=adam, lr_scheduler=sched,
+                                                      config={"train_micro_batch_size_per_gpu": 4,
+                                                              "zero_optimization": {"stage": 1}})
+    path, client = engine.load_checkpoint(str(tmp_path))
+    assert path.endswith(f"global_step{BEFORE}") and lr_scheduler.last_epoch == BEFORE
+    assert lr_scheduler.get_last_lr() == pytest.approx(saved.get_last_lr())
+
+
 def test_fp16_loss_scale_restored(tmp_path, reference):
     model, opt, _ = reference
     write_deepspeed_checkpoint(tmp_path, model, opt, 2, 2, dtype=torch.float16, global_steps=BEFORE,
