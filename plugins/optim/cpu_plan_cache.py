@@ -4,7 +4,7 @@ One small JSON file per key under ``<zeroplug's cache>/cpu_plan/`` (the director
 cpu_adam's kernel cache lives under: :func:`.cpu_adam_warmup.cache_root`), named by a hash of
 the key, which the file repeats. Each local rank has its own key (its set of cores is part
 of it), so ranks never write the same file. A file is written to an exclusively created
-temporary file and renamed over the old one; a file that is not a regular file of this
+temporary file and renamed over the old one (:func:`zeroplug.trust.atomic_write`); a file that is not a regular file of this
 user, does not parse, or holds another key is ignored with a warning (and measured again).
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 
 import torch
 
@@ -83,25 +82,14 @@ def load(k: dict, where: str | None = None) -> tuple[dict | None, str | None]:
 
 def store(k: dict, entry: dict, where: str | None = None) -> str | None:
     """Write ``entry`` for key ``k``; a warning when it cannot be written, else None."""
-    tmp, path = None, None
+    from zeroplug.trust import atomic_write, make_dirs
+    path = None
     try:
         path = path_for(k, where)
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu_plan-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({**entry, "key": k}, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+        make_dirs(os.path.dirname(path), 0o700)
+        atomic_write(path, json.dumps({**entry, "key": k}, sort_keys=True).encode())
     except Exception as e:
         where_ = os.path.dirname(path) if path else "zeroplug's cache directory"
         return (f"cpu plan: cannot write the plan cache in {where_} ({type(e).__name__}: {e}): "
                 f"the next run measures again")
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
     return None
