@@ -8,7 +8,7 @@ import torch
 import zeroplug
 from toy import ToyNet
 
-SLEEP = 0.15
+SLEEP = 0.3
 
 
 class SlowForward(ToyNet):
@@ -40,10 +40,10 @@ def test_tokens_per_second_is_wall_time_between_step_ends(zero):
         seen.append(dict(engine.last_metrics))
     engine.close()
     # Note: the first reported step also formats the memory report after its end is taken
-    # (tens of ms here), which the next step's interval then holds: hence the absolute slack
+    # (tens of ms on a busy machine), which the next interval holds: hence the absolute slack, well below SLEEP
     for wall, m in zip(walls, seen):
         assert wall > SLEEP
-        assert m["step_time"] == pytest.approx(wall, rel=0.05, abs=0.04)
+        assert m["step_time"] == pytest.approx(wall, rel=0.05, abs=0.06)
         assert m["tokens_per_sec"] == pytest.approx(batch * seq / m["step_time"], rel=1e-9)
         assert m["samples_per_sec"] == pytest.approx(batch / m["step_time"], rel=1e-9)
-    assert sum(m["step_time"] for m in seen) == pytest.approx(sum(walls), rel=0.02, abs=0.01)
+    assert sum(m["step_time"] for m in seen) == pytest.approx(sum(walls), rel=0.02, abs=0.06)
