@@ -48,3 +48,35 @@ def test_accelerate_placeholders_importable():
     import zeroplug.integrations.accelerate  # noqa: F401
     from accelerate.utils import DummyOptim, DummyScheduler
     assert DummyOptim.__name__ == "DummyOptim" and DummyScheduler.__name__ == "DummyScheduler"
+
+
+def test_accelerate_dummy_optimizer_and_scheduler_take_the_config(tmp_path):
+    """accelerate's placeholders (the DeepSpeed config names the optimizer and scheduler): the
+    config's AdamW and WarmupDecayLR run, their "auto" values filled from the placeholders."""
+    import torch
+
+    from zeroplug.integrations.accelerate import Accelerator, PreparedModel
+    from accelerate.utils import DummyOptim, DummyScheduler
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
+                                                            "warmup_max_lr": "auto"}}}
+    acc = Accelerator(zeroplug_config=ds, cpu=True)
+    model = torch.nn.Linear(4, 2)
+    loader = torch.utils.data.DataLoader([(torch.randn(4), torch.randn(2)) for _ in range(8)], batch_size=2)
+    opt = DummyOptim(model.parameters(), lr=0.05, weight_decay=0.1)
+    sched = DummyScheduler(opt, total_num_steps=40, warmup_num_steps=4)
+    m, o, dl, s = acc.prepare(model, opt, loader, sched)
+    assert isinstance(m, PreparedModel) and acc.unwrap_model(m) is model
+    engine = acc.engine
+    assert engine.config.slot("optimizer").options.lr == 0.05
+    assert engine.config.slot("optimizer").options.weight_decay == 0.1
+    sopt = engine.config.slot("scheduler").options
+    assert (sopt.total_num_steps, sopt.warmup_num_steps) == (40, 4)
+    for x, y in dl:
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        acc.backward(loss)
+        o.step()
+        o.zero_grad()
+    assert engine.global_step == 4
