@@ -157,22 +157,22 @@ MEASURE = textwrap.dedent("""
 
 
 class Wide(torch.nn.Module):
-    def __init__(self, width=512, layers=32):
+    def __init__(self, width=512, layers=48):
         super().__init__()
         self.layers = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
 def test_memory_stays_near_the_largest_tensor(tmp_path):
-    """32 tensors of 1 MiB (fp32): the export's resident memory grows by a few of them (and the
-    verification's read buffer), while building the whole state dict grows by all 32 (the
-    measurement sees the difference)."""
+    """48 tensors of 1 MiB (fp32): the export's resident memory grows by a few of them plus a
+    fixed part (the verification's 4 MiB read buffer, the rank file's index), while building
+    the whole state dict grows by all 48 (the measurement sees the difference)."""
     torch.manual_seed(0)
     engine = zeroplug.initialize(Wide(), {"zero": {"plugin": "stage1"}, "precision": {"plugin": "bf16"},
                                          "batch": {"micro_batch_size": 1}, "monitor": {"plugin": "none"}})
     engine.save_checkpoint(tmp_path / "ck")
     del engine
     largest = 512 * 512 * 4
-    total = 32 * largest
+    total = 48 * largest
 
     def measure(mode):
         r = subprocess.run([sys.executable, "-c", MEASURE, mode, str(tmp_path / "ck"), str(tmp_path / "o.safetensors")],
@@ -183,4 +183,4 @@ def test_memory_stays_near_the_largest_tensor(tmp_path):
     whole = measure("whole")
     assert whole > 0.8 * total                      # the measurement sees a whole state dict
     grown = measure("stream")
-    assert grown < 4 * largest + 8 * 2**20, f"streaming export grew {grown / 2**20:.1f} MiB"
+    assert grown < 4 * largest + 12 * 2**20, f"streaming export grew {grown / 2**20:.1f} MiB"
