@@ -27,7 +27,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      config=None, rank: int = -1, world_size: int = -1) -> None:
     """Start the process group from the launcher's environment (torchrun's variables), with
     ``dist_backend`` or the device's (nccl on CUDA, gloo otherwise). One process without a
-    launcher needs none: nothing happens. A group already started is kept."""
+    launcher needs none: nothing happens; one rank started by a launcher gets a group of one,
+    as DeepSpeed starts it. A group already started is kept."""
     if dist_init_required is False:
         return
     if rank >= 0 and world_size > 0:
@@ -36,7 +37,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("WORLD_SIZE", str(world_size))
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     start_process_group(None, backend=dist_backend, timeout=timeout, init_method=init_method,
-                        announce=False)
+                        announce=False, single=True)
 
 
 def is_initialized() -> bool:

@@ -42,16 +42,17 @@ def default_backend(device_type: str) -> str:
 
 def start_process_group(device_type: str | None = None, backend: str | None = None,
                         timeout: float | datetime.timedelta | None = None, init_method: str | None = None,
-                        announce: bool = True) -> bool:
+                        announce: bool = True, single: bool = False) -> bool:
     """Start the default process group when the launcher's variables say WORLD_SIZE > 1 and
-    none is started; True when distributed. ``device_type``: the training device's type
+    none is started (``single``: also a group of one rank when a launcher started one
+    process, as ``deepspeed.init_distributed`` does); True when distributed. ``device_type``: the training device's type
     ("cuda" picks nccl, anything else gloo) when ``backend`` is not given; None: cuda when
     available. A group already started is kept as it is. Raises :class:`ZeroplugError` (one
     line) when the variables are incomplete or the group cannot start."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
     world = launched_world_size()
-    if world <= 1:
+    if world < 1 or (world == 1 and not (single and all(os.environ.get(k) for k in LAUNCHER_VARS))):
         return False
     if not dist.is_available():
         raise ZeroplugError(f"WORLD_SIZE={world} but this torch build has no torch.distributed; "
@@ -87,7 +88,7 @@ def start_process_group(device_type: str | None = None, backend: str | None = No
         raise ZeroplugError(f"could not start the {backend} process group of {world} ranks "
                             f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT="
                             f"{os.environ.get('MASTER_PORT')}): {first}") from None
-    if announce and dist.get_rank() == 0:
+    if announce and dist.get_rank() == 0 and world > 1:
         log.warning("[zeroplug] started the %s process group of %d ranks from the launcher's "
                     "environment (torch.distributed.init_process_group was not called)", backend, world)
-    return True
+    return world > 1
