@@ -33,9 +33,9 @@ def load(name: str):
     return module
 
 
-def rank_order(n: int, world: int, epoch: int) -> list[list[int]]:
-    """The indices each rank's DistributedSampler(shuffle=True, seed=0) yields in ``epoch``."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+def rank_order(n: int, world: int, epoch: int, seed: int = 0) -> list[list[int]]:
+    """The indices each rank's DistributedSampler(shuffle=True, seed=seed) yields in ``epoch``."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     return [perm[r::world] for r in range(world)]
 
 
@@ -133,3 +133,78 @@ def test_dschat_sft_script(world, tmp_path):
     assert saved.keys() <= final.keys() and len(saved) >= 10
     for n, v in saved.items():
         torch.testing.assert_close(v, final[n], **TOL)
+
+
+# --- OpenRLHF's DeepSpeed strategy ---------------------------------------------------------------------
+
+def openrlhf_reference(world: int, steps: int = 4, batch: int = 8, micro: int = 2):
+    from transformers import get_scheduler
+    orl = load("openrlhf_style")
+    config = orl.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+    orl.DeepspeedStrategy(seed=42).set_seed(42)
+    model = orl.CriticModel(config)
+    model.value_head.weight.data.normal_(mean=0.0, std=1 / (config.hidden_size + 1))    # rank 0's draw
+    opt = torch.optim.AdamW(orl.get_optimizer_grouped_parameters(model, 0.01), lr=5e-3, betas=(0.9, 0.95))
+    sched = get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=1, num_training_steps=steps,
+                          scheduler_specific_kwargs={"min_lr": 5e-4})
+    data = orl.ValueDataset(steps * batch, 16, 97)
+    order = rank_order(len(data), world, 0, seed=42)
+    gas = batch // micro // world
+
+    def mb(r, i):
+        ids, mask, target = (torch.stack(t) for t in zip(*(data[j] for j in order[r][i * micro:(i + 1) * micro])))
+        return ids, mask, target
+    plan = [[mb(r, s * gas + a) for r in range(world) for a in range(gas)] for s in range(steps)]
+    return ddp_reference(model, opt, sched, 1.0, plan,
+                         lambda m, b: ((m(b[0], b[1]).float() - b[2]) ** 2).mean()), gas
+
+
+def micro_losses(text: str, rank: int) -> dict[int, float]:
+    return {int(i): float(v) for i, v in re.findall(rf"^micro_step=(\d+) rank={rank} loss=([\d.eE+-]+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_openrlhf_strategy_script(world, tmp_path):
+    args = ["--ckpt_path", str(tmp_path / "ckpt")]
+    first = launch(SCRIPTS / "openrlhf_style.py", world, args)
+    resumed = launch(SCRIPTS / "openrlhf_style.py", world, [*args, "--load_checkpoint"])
+    want, gas = openrlhf_reference(world)
+    assert "consumed_samples: 16" in resumed[0]
+    for rank in range(world):
+        got, again = micro_losses(first[rank], rank), micro_losses(resumed[rank], rank)
+        assert sorted(got) == list(range(4 * gas)) and sorted(again) == list(range(2 * gas, 4 * gas))
+        torch.testing.assert_close([got[i] for i in sorted(got)],
+                                   [want[i // gas][rank * gas + i % gas] for i in sorted(got)], **TOL)
+        torch.testing.assert_close([again[i] for i in sorted(again)], [got[i] for i in sorted(again)], **TOL)
+
+
+# --- a plain script on deepspeed.comm ---------------------------------------------------------------
+
+def comm_reference(steps: int = 4, batch: int = 8) -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(batch, 16, generator=g)
+        y = torch.randint(0, 4, (batch,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_comm_script(world, tmp_path):
+    import json
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 1},
+                              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}}}))
+    out = launch(SCRIPTS / "comm_style.py", world, ["--deepspeed", "--deepspeed_config", str(ds)])
+    assert f"collectives ok on {world} ranks (gloo)" in out[0]
+    printed = [float(v) for v in re.findall(r"^step \d+ loss ([\d.eE+-]+)$", out[0], re.M)]
+    torch.testing.assert_close(printed, comm_reference(), **TOL)

@@ -267,3 +267,28 @@ def test_api_page_is_generated_and_every_row_is_in_the_code():
     unlisted = [n for n in public if n not in rows and n not in ("consolidated_state_dict", "gathered_parameters",
                                                                  "close", "forward", "training")]
     assert not unlisted, f"DeepSpeedEngine members not on the page: {unlisted}"
+
+
+def test_zero_init_takes_deepspeeds_arguments():
+    """``deepspeed.zero.Init`` over zeroplug.init: stage 3 whatever the config says, its kwargs
+    accepted, ``enabled=False`` a plain build, what zeroplug cannot do refused in one line."""
+    from zeroplug.deepspeed.zero import Init
+    ds = config(zero_optimization={"stage": 3})
+    torch.manual_seed(0)
+    plain = ToyNet()
+    torch.manual_seed(0)
+    with Init(config_dict_or_path=ds, remote_device="cpu", pin_memory=True, dtype=torch.float32):
+        model = ToyNet()
+    assert model.head.weight.data.numel() == 0 and tuple(model.head.weight.shape) == (37, 24)   # sharded
+    with Init(enabled=False):
+        whole = ToyNet()
+    assert whole.head.weight.data.numel() == 37 * 24
+    engine, *_ = deepspeed.initialize(model=model, config=ds)
+    sd = engine.consolidated_state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())    # the same values as a plain build
+    with pytest.raises(ConfigError, match="dtype=torch.bfloat16.*the config trains fp32"):
+        with Init(config_dict_or_path=ds, dtype=torch.bfloat16):
+            ToyNet()
+    with pytest.raises(ConfigError, match="module=...") as e:
+        Init(module=ToyNet())
+    assert "\n" not in str(e.value)

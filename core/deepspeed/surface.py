@@ -84,6 +84,11 @@ SURFACE: list[tuple[str, str, str, str]] = [
      "is refused (StateError), never dropped. `fwd_module` accepted"),
     ("deepspeed.zero.register_external_parameter", "nothing to do", SUPPORTED,
      "a parameter read outside its module's forward is gathered on use"),
+    ("deepspeed.runtime.zero.partition_parameters.Init / GatheredParameters", "deepspeed.zero's", SUPPORTED,
+     "where DeepSpeed defines them"),
+    ("deepspeed.runtime.zero.partition_parameters.ZeroParamStatus", "an enum", SUPPORTED,
+     "zeroplug's parameters carry no `ds_id` / `ds_status`: code that checks `hasattr(p, \"ds_id\")` takes "
+     "its whole-parameter path, where a stage-3 parameter read is gathered on use"),
     # -- comm
     ("deepspeed.comm.init_distributed", "zeroplug.launch.start_process_group", SUPPORTED, ""),
     ("deepspeed.comm.get_rank / get_world_size / get_local_rank / get_global_rank", "torch.distributed",
@@ -131,6 +136,7 @@ MODULES = {
     "zeroplug.deepspeed.ops.adam": ["DeepSpeedCPUAdam", "FusedAdam"],
     "zeroplug.deepspeed.ops.lamb": ["FusedLamb"],
     "zeroplug.deepspeed.accelerator": ["get_accelerator"],
+    "zeroplug.deepspeed.runtime.zero.partition_parameters": ["Init", "GatheredParameters", "ZeroParamStatus"],
 }
 
 
@@ -145,4 +151,21 @@ def api_markdown() -> str:
            "| DeepSpeed name | zeroplug | status | notes |", "| --- | --- | --- | --- |"]
     for name, target, status, notes in SURFACE:
         out.append(f"| `{name}` | {f'`{target}`' if target else ''} | {status} | {notes} |")
+    out += ["", "## Scripts that run by their imports", "",
+            "Each runs on 1 and 2 CPU ranks as DeepSpeed's launcher starts it, and its losses equal plain "
+            "torch's (tests/test_deepspeed_scripts.py; the scripts are tests/deepspeed_scripts/):", "",
+            "* DeepSpeedExamples' CIFAR script (`initialize(args=, model=, model_parameters=, training_data=)`, "
+            "the returned data loader, `get_accelerator()`);",
+            "* DeepSpeed-Chat's supervised fine-tuning, step 1 (`FusedAdam` over grouped parameters, "
+            "transformers' `get_scheduler`, `initialize(model=, optimizer=, args=, config=, lr_scheduler=, "
+            "dist_init_required=True)`, `zero.Init`, the stage-3 save through `GatheredParameters`); one line "
+            "differs beyond the imports: `save_hf_format` (rank 0's `state_dict()` of a stage-3 model, empty "
+            "tensors under DeepSpeed) runs below stage 3 only, as zeroplug refuses a sharded state dict on one "
+            "rank;",
+            "* OpenRLHF's DeepSpeed strategy (the engine as a child module, `GatheredParameters(..., "
+            "modifier_rank=0)` on a `zero.Init` model, `save_checkpoint` / `load_checkpoint` with client state "
+            "and an exact resume);",
+            "* a plain script on `deepspeed.comm`, `add_config_arguments` and `init_distributed`.", "",
+            "The scripts of hosts (transformers' Trainer, accelerate, Lightning) are "
+            "tests/test_deepspeed_script_hosts.py."]
     return "\n".join(out)
