@@ -285,13 +285,9 @@ class Engine:
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Write the consolidated model-dtype state dict to ``save_dir/save_filename`` from
-        rank 0 (every rank calls it; the directory is created): a ``torch.save`` file, or
-        safetensors when ``save_filename`` ends in ``.safetensors``. ``save_dir`` naming an
-        existing file, or a new path ending in .pt, .pth, .bin or .safetensors with the
-        default ``save_filename``, is the file itself (deprecated: pass a directory).
-        ``exclude_frozen_parameters``: leave out parameters with requires_grad=False.
-        True on the rank that wrote."""
+        """The consolidated model-dtype state dict to ``save_dir/save_filename`` from rank 0
+        (every rank calls it): ``torch.save``, or safetensors for a ``.safetensors`` name; a file
+        path as ``save_dir``: see checkpoint/weights.py. True on the rank that wrote."""
         from .checkpoint.exporting import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 

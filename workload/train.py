@@ -5,7 +5,6 @@ Config precedence: command line (``--section.key=value``) > file > defaults.
 """
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import sys
@@ -13,7 +12,6 @@ import time
 from pathlib import Path
 
 import zeroplug
-import torch.distributed as dist
 
 from zeroplug.errors import StepFailedError, ZeroplugError
 
@@ -277,20 +275,5 @@ def init_distributed_from_env(device_type: str, timeout: float | None = None) ->
     """Start the default process group if torchrun's variables are set; True if distributed.
     ``timeout`` (seconds): how long a collective waits for the other ranks before it fails
     (torch's default when None)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
-    if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if attempt is None:
-            dist.init_process_group(backend, **kw)
-            return True
-        # Note: torchrun's agent serves one store to every attempt of the job, and the keys the
-        # killed attempt's ranks wrote (their addresses) stay in it; a restarted rank may read
-        # a dead peer's address there and fail ("Gloo connectFullMesh failed ... Connection
-        # refused"). A prefix per attempt keeps the attempts apart.
-        store, rank, world = next(dist.rendezvous("env://", **kw))
-        store = dist.PrefixStore(f"zeroplug/attempt_{attempt}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
-    return True
+    from zeroplug.launch import start_process_group
+    return start_process_group(device_type, timeout=timeout or None, announce=False)
