@@ -91,7 +91,11 @@ def before_initialize(rank, world):
     engine = zeroplug.initialize(model, cfg(3))
     sd = engine.consolidated_state_dict()
     same = None if sd is None else all(torch.equal(sd[k], values[k]) for k in values)
-    return refused, same, train(engine, rank, world, STEPS)
+    plain = ToyNet()                       # not partitioned: whole on every rank, broadcast on exit
+    with GatheredParameters(list(plain.parameters()), modifier_rank=0):
+        write(plain, rank, values)
+    plain_same = all(torch.equal(v, values[k]) for k, v in plain.state_dict().items())
+    return refused, same and plain_same if sd is not None else plain_same, train(engine, rank, world, STEPS)
 
 
 def after_initialize(rank, world, stage, precision, through_shim):
@@ -119,10 +123,10 @@ def after_initialize(rank, world, stage, precision, through_shim):
 def test_modifier_rank_writes_before_initialize_reach_every_rank(world):
     results = run_ranks(before_initialize, world)
     want = reference(write_after=0)
-    for refused, _, losses in results:
+    for refused, same, losses in results:
         assert refused and "without a modifier rank" in refused and "modifier_rank=" in refused
         torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-5)
-    assert results[0][1] is True
+        assert same is True
 
 
 CASES = [(0, "fp32", False), (2, "fp32", True), (3, "fp32", False), (3, "bf16", True)]

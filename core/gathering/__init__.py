@@ -38,10 +38,16 @@ def plain_gathered(params, modifier_rank=None):
     params = [p for p in params if p.is_floating_point()]
     yield
     if modifier_rank is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        nccl = dist.get_backend() == "nccl"
         for p in params:
             if p.device.type == "meta":
                 continue
-            dist.broadcast(p.data, src=modifier_rank)
+            if nccl and p.device.type != "cuda":        # (a model still on the host: NCCL sends device memory)
+                wire = p.data.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.broadcast(wire, src=modifier_rank)
+                p.data.copy_(wire)
+            else:
+                dist.broadcast(p.data, src=modifier_rank)
 
 
 @contextmanager
