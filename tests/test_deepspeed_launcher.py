@@ -84,6 +84,10 @@ def test_several_nodes(tmp_path, script, capsys):
     assert main(["-H", hf, str(script)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and lines[1] == format_line(*plan(["-H", hf, str(script)])[0])
+    # one host that is not this one: its line is printed, nothing runs here
+    assert main(["-H", hf, "--include", "worker-1", str(script)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("worker-1: ") and "--nnodes=1" in lines[1]
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -12,9 +12,10 @@ default ``/job/hostfile``; without one, this host and its GPUs), narrowed by
 * One node that is this host: ``python -m torch.distributed.run`` (torchrun) is executed in
   this process's place with ``--nproc-per-node``, ``--master-addr`` / ``--master-port`` and
   ``CUDA_VISIBLE_DEVICES`` set to the chosen GPUs.
-* Several nodes: with ``--node_rank R`` this host runs node R's torchrun (every node runs the
-  same line with its own rank; ``--master_addr`` defaults to the first host). Without it the
-  torchrun line of every node is printed, one per line, to run there (no ssh / pdsh here).
+* Other hosts (several nodes, or one that is not this host): with ``--node_rank R`` this host
+  runs node R's torchrun (every node runs the same line with its own rank; ``--master_addr``
+  defaults to the first host). Without it the torchrun line of every node is printed, one per
+  line, to run there (no ssh / pdsh here).
 
 The script gets ``--local_rank=N`` before its own arguments, as DeepSpeed passes it
 (``--no_local_rank``: not), and the ``LOCAL_RANK`` / ``RANK`` / ``WORLD_SIZE`` environment
@@ -203,7 +204,8 @@ def torchrun_command(args, res: OrderedDict, node_rank: int) -> tuple[list[str],
 
 
 def plan(argv=None) -> list[tuple[str, list[str], dict]]:
-    """[(host, argv, env)] of the nodes this launch runs here (one) or prints (several)."""
+    """[(host, argv, env)]: the one node this launch runs here, or (:func:`to_print` true)
+    every node's line to print."""
     args = build_parser().parse_args(argv)
     if args.autotuning:
         raise LaunchError("--autotuning is DeepSpeed's autotuner; zeroplug's is `zeroplug tune`")
@@ -232,7 +234,15 @@ def plan(argv=None) -> list[tuple[str, list[str], dict]]:
             raise LaunchError(f"--node_rank {args.node_rank}: the launch has {len(hosts)} node(s)")
         argv, env = torchrun_command(args, res, args.node_rank)
         return [(hosts[args.node_rank], argv, env)]
-    return [(h, *torchrun_command(args, res, i)) for i, h in enumerate(hosts)]
+    return _Lines((h, *torchrun_command(args, res, i)) for i, h in enumerate(hosts))
+
+
+class _Lines(list):
+    """Nodes to print, not to run here (other hosts, no --node_rank)."""
+
+
+def to_print(nodes) -> bool:
+    return isinstance(nodes, _Lines)
 
 
 def format_line(host: str, argv: list[str], env: dict) -> str:
@@ -245,8 +255,8 @@ def main(argv=None) -> int:
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if len(nodes) > 1:
-        print(f"# {len(nodes)} nodes: run each line on its host (or add --node_rank N there)")
+    if to_print(nodes):
+        print(f"# {len(nodes)} node(s): run each line on its host (or add --node_rank N there)")
         for node in nodes:
             print(format_line(*node))
         return 0
