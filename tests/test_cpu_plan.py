@@ -248,3 +248,14 @@ def test_calibration_steps_each_gradient_dtype(grad_dtype):
     rates, error = cpu_plan.calibrate([1, 2], lambda: met.append(1), grad_dtype=grad_dtype, elements=1 << 15)
     assert error is None and set(rates) == {1, 2} and all(r > 0 for r in rates.values())
     assert len(met) == 2                                 # one barrier per count
+
+
+def test_calibration_single_pass_proxy_and_kernel_choice(monkeypatch):
+    """Where the compiled kernel will run, the one-pass fp32 fused step stands in for it;
+    ZEROPLUG_CPU_ADAM_IMPL=eager measures the eager path the run will take."""
+    met = []
+    rates, error = cpu_plan.calibrate([1, 2, 1], lambda: met.append(1), grad_dtype=torch.bfloat16,
+                                      elements=1 << 15, single_pass=True)
+    assert error is None and set(rates) == {1, 2} and len(met) == 3
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "eager")
+    assert cpu_plan.compiled_kernel_expected() is False

@@ -217,18 +217,24 @@ def default_elements() -> int:
 
 
 def calibrate(counts, barrier, grad_dtype=torch.bfloat16, lp_dtype=torch.bfloat16,
-              elements: int | None = None) -> tuple[dict, str | None]:
+              elements: int | None = None, single_pass: bool = False) -> tuple[dict, str | None]:
     """Elements per second of cpu_adam's step at each thread count in ``counts``, and the
     error that stopped it (None). ``barrier`` runs before each count on every rank, whatever
     happens here, so that the local ranks measure each count together.
 
-    Note: the eager kernel is measured (ATen's fused, single-pass Adam, in the chunked walk
-    that converts the gradient and writes the model-dtype copy), not the compiled one: the
-    compiled kernel's thread count is fixed when it is built, so measuring it at five
-    counts would build five kernels (a minute each on a first run). Both stream the same
-    bytes per element at memory speed, so the count at which one stops scaling is the
-    other's too."""
+    ``single_pass``: measure ATen's fused Adam over the whole fp32 tensor (fp32 gradient, no
+    model-dtype copy), a proxy for the compiled kernel; else the eager path with the run's
+    dtypes (the chunked walk that converts the gradient and writes the copy).
+
+    Note: the compiled kernel itself is not measured: its thread count is fixed when it is
+    built, so measuring it at five counts would build five kernels (a minute each on a first
+    run). The single-pass fused kernel moves the same bytes per element in one pass (it
+    measured equal to the compiled kernel), so it stops scaling at the same thread count;
+    the chunked eager walk does more work per element and would keep scaling longer.
+    A run without a compiler steps with that eager walk, so that is what it measures."""
     from .cpu_adam import CPUAdam
+    if single_pass:
+        grad_dtype, lp_dtype = torch.float32, None
     n = int(elements or default_elements())
     rates: dict = {}
     error = None
@@ -260,6 +266,19 @@ def calibrate(counts, barrier, grad_dtype=torch.bfloat16, lp_dtype=torch.bfloat1
     torch.set_num_threads(before)
     del opt, p, g, lp
     return rates, error
+
+
+def compiled_kernel_expected() -> bool:
+    """Whether the steps will run cpu_adam's compiled kernel (a compiler is there and
+    ``ZEROPLUG_CPU_ADAM_IMPL`` does not ask for the eager one)."""
+    from .cpu_adam import CPUAdam
+    from .cpu_adam_kernels import compiler_missing
+    try:
+        if CPUAdam([torch.zeros(1)]).impl == "eager":
+            return False
+        return compiler_missing() is None
+    except Exception:       # a broken toolchain: the eager path is what runs
+        return False
 
 
 # -- the plan ------------------------------------------------------------------------------
@@ -334,8 +353,10 @@ def finish(run, mode: str, binding: Binding | None, explicit: int, workers: dict
     # barrier per measured count), whether it measures or not: a rank left unbound (its
     # binding failed) or holding a cached plan still meets the others at each of them.
     key = found = None
+    single_pass = compiled_kernel_expected()
     if binding.cpus:
         key = cache.key(binding.topology, binding.cpus, most, grad_dtype, lp_dtype)
+        key["kernel"] = "single-pass" if single_pass else "eager"
         found, why = cache.load(key)
         if why:
             warnings.append(why)
@@ -351,7 +372,7 @@ def finish(run, mode: str, binding: Binding | None, explicit: int, workers: dict
         for _ in FRACTIONS:
             run.comm.barrier()
         return _apply(Plan(run.rank, binding.cpus, most, workers, "bind", None, warnings))
-    rates, error = calibrate(candidates(most), run.comm.barrier, grad_dtype, lp_dtype)
+    rates, error = calibrate(candidates(most), run.comm.barrier, grad_dtype, lp_dtype, single_pass=single_pass)
     if error or not rates:
         warnings.append(f"cpu plan: the thread count could not be measured ({error or 'no result'}): "
                         f"using {most} threads (the set's cores less the workers')")
