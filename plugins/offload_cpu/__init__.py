@@ -65,6 +65,16 @@ class CPUOptions:
                                    "as false; docs/benchmarks.md has the step times).")
     overlap_step_threads: int = opt(0, "CPU threads of the overlapped step's kernel; 0 = all of torch's "
                                        "intra-op threads but one, which is left to the training loop.", min=0)
+    speculative_step: bool | Literal["auto"] = opt(
+        "auto", "Step each sub-group on the CPU during the backward, as soon as its gradients are final, "
+                "guessing that the step neither clips (gradient_clipping) nor overflows (fp16); the step then "
+                "keeps those sub-groups, or restores them from a copy taken before and redoes them with the real "
+                "factor (or skips). Bit-identical to false either way. Costs one copy of master and optimizer "
+                "states (12 bytes per element of host memory, written once per speculated sub-group step). "
+                "\"auto\" = only on a GPU and only while the last 4 steps neither clipped nor overflowed; "
+                "true = always; false = never. Not with delayed_update (ignored, with a warning when true); "
+                "the GPU lane's sub-groups step at the step as before. docs/architecture.md, \"Speculative "
+                "step\".")
     delayed_update: bool = opt(
         False, "ZeRO-Offload's one-step delayed parameter update: after delayed_update_warmup exact steps, the "
                "CPU step of step t runs during the forward and backward of step t+1, which therefore sees the "
@@ -162,6 +172,20 @@ class CPUOffload(HostTier):
 
     def delayed_warmup(self) -> int | None:
         return self.options.delayed_update_warmup if self.options.delayed_update else None
+
+    def speculative_mode(self, device):
+        mode = self.options.speculative_step
+        if self.kind != "optimizer" or mode is False:
+            return False
+        if mode == "auto":
+            # Note: on a CPU device the backward and the speculative step share the cores,
+            # so stepping during the backward only moves the step's time into it.
+            return "auto" if device.type == "cuda" else False
+        return True
+
+    def speculation_refused(self, why):
+        if self.run.rank == 0:
+            log.warning("[zeroplug] offload.optimizer.speculative_step = true ignored: %s", why)
 
     def gpu_step_ratio(self) -> float:
         r = self.options.gpu_step_ratio

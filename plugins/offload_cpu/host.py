@@ -11,10 +11,9 @@ Timeline of one step on a GPU::
               queued before the CPU starts, so both lanes step at once
 
 Note: the global gradient norm (clipping) and the overflow flag need every gradient,
-so the CPU step starts after backward. Stepping sub-groups during backward would mean
-speculating that the step is not clipped and not overflowed, keeping the pre-step
-states to redo the step when it is (one more copy of master, m and v: 12 bytes per
-element). How often the speculation would hold was not measured. Not done.
+so the exact step starts after backward. ``speculative_step`` (:mod:`.speculative`) steps
+sub-groups during the backward as their gradients become final, guessing that the step
+neither clips nor overflows, and redoes them exactly at the step when it does.
 
 Note: the next forward does not wait for the whole step (``overlap_step``, when the stage
 waits per unit): the CPU steps sub-groups in forward order on a worker thread and
@@ -35,9 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from zeroplug.flat import set_grad
+from zeroplug.slots import takes_grad_scale
 from zeroplug.tiers import OffloadTier, TierCapabilities, grad_multiplier, init_group_states, step_group
 
 from .delayed import DelayedUpdate
+from .speculative import Speculation
 
 #: elements of the fp32 device buffer that publishes a master without a fused copy (64 MiB)
 PUBLISH_CHUNK = 1 << 24
@@ -85,6 +86,14 @@ class HostTier(OffloadTier):
         """Exact steps before the one-step delayed update (:mod:`.delayed`); None: always exact."""
         return None
 
+    def speculative_mode(self, device: torch.device) -> bool | str:
+        """``speculative_step`` on training ``device`` (:mod:`.speculative`): True, "auto" or
+        False (never)."""
+        return False
+
+    def speculation_refused(self, why: str) -> None:
+        """``speculative_step`` cannot run here (``why``); the step stays exact and serial."""
+
     # -- plan --------------------------------------------------------------------------------
     def plan(self, layout) -> None:
         self.layout = layout
@@ -97,8 +106,12 @@ class HostTier(OffloadTier):
         # the delayed update: a second gradient buffer and the step's model-dtype copy
         delayed = gb + torch.finfo(layout.param_dtype).bits // 8 if self.delayed_warmup() is not None else 0
         extra = f" + delayed update {delayed}" if delayed else ""
-        self.check_memory((12 + gb + delayed) * total, f"{total:,} fp32 master elements: master 4 + gradient "
-                                                       f"{gb} + optimizer states 8{extra} bytes each")
+        # the speculative step: a copy of master and states (an upper bound: the GPU lane's
+        # sub-groups take none)
+        spec = 12 if self.delayed_warmup() is None and self.speculative_mode(layout.device) else 0
+        extra += f" + speculative step copy {spec}" if spec else ""
+        self.check_memory((12 + gb + delayed + spec) * total, f"{total:,} fp32 master elements: master 4 + "
+                                                              f"gradient {gb} + optimizer states 8{extra} bytes each")
         self.master_flat = self.empty(total, torch.float32)
         self.grad_flat = self.empty(total, gdt)
         self.grad_flat.zero_()
@@ -141,6 +154,7 @@ class HostTier(OffloadTier):
         self.lane_groups: set[int] = set()         # sub-groups it steps
         self._lane_decided = False
         self.delayed = DelayedUpdate(self) if self.delayed_warmup() is not None else None
+        self.speculation: Speculation | None = None    # made by prepare when speculative_step allows
 
     def lp_on_device(self, a: int, b: int) -> bool:
         """Whether the model-dtype shards of master elements [a, b) are on the training device."""
@@ -206,14 +220,51 @@ class HostTier(OffloadTier):
         # sub_group_size 1e9) touches every page, which does not belong in a training step.
         if fused and any(self.lp_on_device(*self.ranges[k]) for k in on_host):
             self._host_ring()
+        self._prepare_speculation(optimizer, fused, on_host)
+
+    def _prepare_speculation(self, optimizer, fused: bool, on_host: list[int]) -> None:
+        mode = self.speculative_mode(self.train_device)
+        if not mode:
+            return
+        why = None
+        if self.delayed is not None:
+            why = "not with delayed_update (its step already runs beside the next forward and backward)"
+        elif not (fused and takes_grad_scale(optimizer)):
+            why = ("it needs optimizer cpu_adam (or auto), and parameters in memory (not on an nvme tier "
+                   "that keeps them out of memory)")
+        if why is not None:
+            if mode is True:
+                self.speculation_refused(why)
+            return
+        self.speculation = Speculation(self, mode)
+        self.speculation.prepare(optimizer, on_host)
+
+    # -- the speculative step (speculative.py) ----------------------------------------------
+    def begin_speculation(self, optimizer, multiplier) -> bool:
+        return self.speculation is not None and self.speculation.begin(optimizer, multiplier)
+
+    def grads_final(self, k) -> None:
+        spec = self.speculation
+        if spec is None or spec.window is None or not spec.window.active or k in self.lane_groups:
+            return
+        # Note: every copy into k was queued on d2h (or was synchronous): an event there
+        # after them also follows the backward work that wrote k's gradients and read its
+        # parameters, so k's new values may go up once it is done.
+        spec.final(k, self.d2h.record_event() if self.cuda else None)
+
+    def discard(self) -> None:
+        if self.speculation is not None:
+            self.speculation.discard()
+
+    def publish_finished(self) -> None:
+        """The current stream's later work follows every upload queued so far."""
+        if self.cuda:
+            torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
 
     def step(self, optimizer) -> None:
         groups = optimizer.param_groups
         masters = self.masters
         ranges = self.ranges
-        # Note: an optimizer with step_group (cpu_adam) writes the model-dtype copy in its
-        # own pass: straight into host shards, or into a pinned staging buffer that goes
-        # up at 2 bytes per element; otherwise the fp32 master is copied and cast.
         fused = hasattr(optimizer, "step_group") and self.layout.shards_in_memory
         mult = grad_multiplier(optimizer)     # captured now: the engine clears grad_scale on return
         overlapped = fused and self.overlaps()
@@ -229,27 +280,40 @@ class HostTier(OffloadTier):
             return
         for k in sorted(lane):      # queued first: the GPU works while the CPU steps the rest
             self.lane.enqueue(groups[k], optimizer.state, k, masters[k], ranges[k][0], mult)
-        cpu_groups = [k for k in range(len(ranges)) if k not in lane]
+        kept, uploads = [], {}
+        if self.speculation is not None:     # what the backward stepped and still holds
+            kept, uploads = self.speculation.validate(optimizer, mult)
+        cpu_groups = [k for k in range(len(ranges)) if k not in lane and k not in kept]
 
         def step_one(k: int) -> None:
-            a, b = ranges[k]
-            if fused:
-                lp = self._lp_target(k, a, b)
-                step_group(optimizer, k, lp_out=lp, grad_multiplier=mult, threads=threads)
-                if not isinstance(lp, list):
-                    self._upload(lp, a, b, k)
-                return
-            step_group(optimizer, k, grad_multiplier=mult)    # this sub-group only
-            self.publish_master(masters[k], a, k)
+            self.step_sub_group(optimizer, k, mult, threads)
 
         if overlapped:
-            self._start_overlapped(step_one, cpu_groups, lane)
+            self._start_overlapped(step_one, cpu_groups, set(lane) | set(kept), uploads)
             return
         self.sub_group_loop(optimizer, step_one, cpu_groups)
         if lane:
             self.lane.synchronize()     # host readers of the states may come next
         if self.cuda:
             torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
+
+    def step_sub_group(self, optimizer, k: int, mult: float, threads):
+        """Step sub-group k with gradient multiplier ``mult`` and publish it; returns the CUDA
+        event of its upload from the host ring, if it went through one (else None)."""
+        a, b = self.ranges[k]
+        if hasattr(optimizer, "step_group") and self.layout.shards_in_memory:
+            # Note: an optimizer with step_group (cpu_adam) writes the model-dtype copy in its
+            # own pass: straight into host shards, or into a pinned staging buffer that goes
+            # up at 2 bytes per element; otherwise the fp32 master is copied and cast.
+            lp = self._lp_target(k, a, b)
+            step_group(optimizer, k, lp_out=lp, grad_multiplier=mult, threads=threads)
+            if not isinstance(lp, list):
+                self._upload(lp, a, b, k)
+                return self.events.get(("staging", k % 2))
+            return None
+        step_group(optimizer, k, grad_multiplier=mult)    # this sub-group only
+        self.publish_master(self.masters[k], a, k)
+        return None
 
     def sub_group_loop(self, optimizer, step_one, order: list[int]) -> None:
         """Step the sub-groups in ``order`` (the nvme tier reads ahead and writes behind)."""
@@ -263,11 +327,15 @@ class HostTier(OffloadTier):
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
         return self._worker
 
-    def _start_overlapped(self, step_one, cpu_groups, lane) -> None:
+    def _start_overlapped(self, step_one, cpu_groups, done, uploads) -> None:
+        """``done``: sub-groups not stepped here (the GPU lane's, queued on the device, and
+        those the backward stepped speculatively, with their upload events ``uploads``)."""
         self._stepped = [threading.Event() for _ in self.ranges]
-        self._uploaded = {k: self.lane.events[k] for k in lane if k in self.lane.events}
-        for k in lane:
-            self._stepped[k].set()      # queued on the GPU: waiting is the device's business
+        lane_events = self.lane.events if self.lane is not None else {}
+        self._uploaded = {k: lane_events[k] for k in done if k in lane_events}
+        self._uploaded.update(uploads)
+        for k in done:
+            self._stepped[k].set()      # queued on the GPU, or stepped by the backward's jobs
 
         def run() -> None:
             for k in cpu_groups:

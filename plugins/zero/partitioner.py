@@ -161,9 +161,15 @@ class FlatPartitioner(Partitioner):
             by_group.setdefault(g, []).append(t)
         return [{"params": ts, **settings[g]} for g, ts in sorted(by_group.items())]
 
+    def before_forward(self) -> None:
+        if self.offload is not None:
+            self.offload.discard()    # a forward before the step: no speculated values in it
+
     # -- backward ---------------------------------------------------------------------
     def before_backward(self) -> None:
         self._check_trainability()
+        if self.offload is not None:
+            self.offload.before_backward()
         if self.run.first_micro_step:
             for u in self.units:
                 u.window_fresh = True     # its first reduction in this window overwrites
@@ -291,7 +297,7 @@ class FlatPartitioner(Partitioner):
         del self._pending[:len(done)]
 
     def finish_gradients(self) -> None:
-        self.wait_optimizer()
+        self.wait_optimizer(keep_speculation=True)
         several = self.comm.world_size > 1
         for u in (self._reduce_order if several else self.units):
             if u.reduced:
@@ -345,6 +351,8 @@ class FlatPartitioner(Partitioner):
             self.lp_grads.clear()
         # Note: offloaded master grads are overwritten by the next boundary's copies (and
         # zeroed for units that got none), which saves a pass over host memory per step.
+        if self.offload is not None:
+            self.offload.discard()      # a speculation no step validated (overflow)
         self.before_backward()
 
     # -- the optimizer step --------------------------------------------------------------
@@ -397,8 +405,15 @@ class FlatPartitioner(Partitioner):
         for h in inflight:
             h.wait()
 
-    def wait_optimizer(self) -> None:
+    def speculate(self, optimizer, multiplier: float) -> bool:
+        return self.offload is not None and self.offload.speculate(optimizer, multiplier)
+
+    def wait_optimizer(self, keep_speculation: bool = False) -> None:
+        """``keep_speculation``: the step that validates it follows (``finish_gradients``);
+        anything else reads the states as they were before the speculation."""
         if self.offload is not None:
+            if not keep_speculation:
+                self.offload.discard()
             self.offload.wait_all()
             if self._gather_late:
                 self._gather_after_step()

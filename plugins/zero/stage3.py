@@ -202,6 +202,7 @@ class Stage3(Stage2):
 
     # -- forward / backward hooks -----------------------------------------------------
     def before_forward(self) -> None:
+        super().before_forward()
         if self.trace_cur:
             self.trace_prev, self.trace_cur = self.trace_cur, []
         self.release_all()
@@ -394,8 +395,8 @@ class Stage3(Stage2):
     def gathers_per_unit(self) -> bool:
         return not (self.layout_world == 1 and not self.params_offloaded and not self.lp_from_master)
 
-    def wait_optimizer(self) -> None:
-        super().wait_optimizer()
+    def wait_optimizer(self, keep_speculation: bool = False) -> None:
+        super().wait_optimizer(keep_speculation)
         for i in sorted(self._stale):
             self._refill(self.all_units[i])
 
