@@ -102,7 +102,6 @@ class Engine:
         self.micro_step = 0           # backward calls
         self.micro_steps_in_window = 0              # backward calls since the last optimizer step
         self._stepped_since_backward = True
-        self._lr_before: list[float] | None = None     # the lr before a speculation set this step's
         self.skipped_steps = 0
         self.lr_step = 0              # steps taken: what the schedule counts
         self.tokens_per_sample: int | None = None
@@ -161,19 +160,13 @@ class Engine:
         self.partitioner.before_backward()
         if self.run.at_boundary and takes_grad_scale(self.optimizer):
             # the step if it neither clips nor overflows: its tier may step during the backward
-            self._lr_before = self.get_lr()
             self._set_lr(self.scheduler.lr_at(self.lr_step))
             if not self.partitioner.speculate(self.optimizer, step_multiplier(1.0 / self.precision.loss_scale)):
-                self._restore_lr()
+                self._set_lr(self.scheduler.lr_at(max(self.lr_step - 1, 0)))    # the last step's, as before
         self.precision.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.micro_step += 1
         self.micro_steps_in_window += 1
         self._stepped_since_backward = False
-
-    def _restore_lr(self) -> None:
-        for g, lr in zip(self.optimizer.param_groups, self._lr_before or []):
-            g["lr"] = lr
-        self._lr_before = None
 
     def step(self) -> None:
         """Steps the optimizer once the accumulation window is complete; a no-op before."""
@@ -204,7 +197,7 @@ class Engine:
         lr = self.scheduler.lr_at(self.lr_step)
         if overflow:
             self.skipped_steps += 1
-            self._restore_lr()      # set for a speculation (the partitioner's zero_grad undoes its steps)
+            self._set_lr(self.scheduler.lr_at(max(self.lr_step - 1, 0)))   # (its zero_grad undoes a speculation)
             if self.run.rank == 0:
                 log.warning("[zeroplug] OVERFLOW! Rank 0 Skipping step %d. Attempted loss scale: %g, "
                             "reducing to %g", self.global_step + 1, scale, self.precision.loss_scale)

@@ -179,12 +179,17 @@ class Speculation:
         self._undo(w, self._close(w), republish=True)
 
     def _close(self, w: Window) -> list[int]:
-        """No job begins after this; those begun have finished (raising a job's error)."""
+        """No job begins after this; those begun have finished. A job's error is raised here,
+        and the run is marked failed: a sub-group may be stepped part-way."""
         with w.lock:
             w.closed = True
             begun = list(w.begun)
         for f in w.futures:
-            f.result()
+            exc = f.exception()
+            if exc is not None:
+                run = self.tier.run
+                run.failed = run.failed or f"a speculative optimizer step failed ({type(exc).__name__}: {exc})"
+                raise exc
         return begun
 
     def _undo(self, w: Window, begun: list[int], republish: bool) -> None:

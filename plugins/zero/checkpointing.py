@@ -72,6 +72,17 @@ class Segment(NamedTuple):
         return masters[self.k][self.mloc:self.mloc + (self.b - self.a)]
 
 
+def copy_tensors(obj):
+    """``obj`` (nested dicts, lists, tuples) with every tensor cloned."""
+    if torch.is_tensor(obj):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: copy_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_tensors(v) for v in obj)
+    return obj
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 

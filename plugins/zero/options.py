@@ -5,6 +5,8 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from zeroplug.options import AUTO, opt
 
 STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
@@ -59,6 +61,17 @@ class ZeroOptions:
               "when ranks route tokens to different experts.")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")
+
+
+def hidden_size(module: torch.nn.Module) -> int:
+    """The model's hidden size as DeepSpeed's "auto" values mean it: the largest input width."""
+    h = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            h = max(h, min(m.in_features, m.out_features))
+        elif isinstance(m, torch.nn.Embedding):
+            h = max(h, m.embedding_dim)
+    return h or 1024
 
 
 def bucket_elements(options: ZeroOptions, hidden: int, granularity: int | None) -> int:

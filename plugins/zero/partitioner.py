@@ -25,19 +25,8 @@ from zeroplug.slots import Partitioner, takes_grad_scale
 from zeroplug.tiers import all_exported
 
 from .masters import make_masters
-from .options import ZeroOptions, bucket_elements
+from .options import ZeroOptions, bucket_elements, hidden_size
 from .unit import Unit
-
-
-def hidden_size(module: torch.nn.Module) -> int:
-    """The model's hidden size as DeepSpeed's "auto" values mean it: the largest input width."""
-    h = 0
-    for m in module.modules():
-        if isinstance(m, torch.nn.Linear):
-            h = max(h, min(m.in_features, m.out_features))
-        elif isinstance(m, torch.nn.Embedding):
-            h = max(h, m.embedding_dim)
-    return h or 1024
 
 
 class FlatPartitioner(Partitioner):
@@ -409,8 +398,7 @@ class FlatPartitioner(Partitioner):
         return self.offload is not None and self.offload.speculate(optimizer, multiplier)
 
     def wait_optimizer(self, keep_speculation: bool = False) -> None:
-        """``keep_speculation``: the step that validates it follows (``finish_gradients``);
-        anything else reads the states as they were before the speculation."""
+        """``keep_speculation``: the step that validates it follows (else states read as before it)."""
         if self.offload is not None:
             if not keep_speculation:
                 self.offload.discard()
@@ -451,7 +439,7 @@ class FlatPartitioner(Partitioner):
         into storages freed right after)."""
         from zeroplug.checkpoint import active_part_writer
 
-        from .checkpointing import export_state
+        from .checkpointing import copy_tensors, export_state
         self.wait_optimizer()
         if self.offload is None or self.offload_optimizer.capabilities.in_memory:
             return export_state(self, optimizer, parts=parts)   # parts: parameter shards out of memory
@@ -460,7 +448,7 @@ class FlatPartitioner(Partitioner):
         if parts is not None:
             return export_state(self, optimizer, parts=parts)
         with all_exported(self.offload_optimizer, optimizer):
-            return _copy_tensors(export_state(self, optimizer))
+            return copy_tensors(export_state(self, optimizer))
 
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         """Load from a :class:`zeroplug.checkpoint.ShardSet` (a tier that keeps states out of
@@ -485,16 +473,6 @@ def _check_materialized(name: str, p: torch.Tensor) -> None:
         raise StateError(f"parameter {name!r} is on the meta device (it has no values): materialize the "
                          "model before zeroplug.initialize (model.to_empty(device=...) and initialize or "
                          "load the weights), or build it inside zeroplug.init")
-
-
-def _copy_tensors(obj):
-    if torch.is_tensor(obj):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _copy_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy_tensors(v) for v in obj)
-    return obj
 
 
 class Stage0(FlatPartitioner):

@@ -24,8 +24,9 @@ from zeroplug.tiers import Layout, UnitShard
 
 from .flat_layout import FlatLayout
 from .partitioned_init import PartitionedInit, flush_pending, materialize
-from .partitioner import Stage2, _check_materialized, hidden_size
 from .leaves import find_leaves, owners, reachable_params
+from .options import hidden_size
+from .partitioner import Stage2, _check_materialized
 from .unit import FREE, INFLIGHT, READY, Unit
 
 
@@ -429,9 +430,9 @@ class Stage3(Stage2):
             parts = active_part_writer()
         if not away or parts is not None:
             return super().checkpoint_state(optimizer, parts=parts)
-        from .partitioner import _copy_tensors
+        from .checkpointing import copy_tensors
         with self.offload_param.all_in():     # parameter shards read in
-            return _copy_tensors(super().checkpoint_state(optimizer))
+            return copy_tensors(super().checkpoint_state(optimizer))
 
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         """import_state fills a shard out of memory one unit at a time; model-dtype shards
