@@ -28,7 +28,6 @@ from zeroplug.observe.metrics import StepMetrics, sequence_length
 from zeroplug.warmup import warm_up_cuda
 from .registry import get_plugin_manager
 from .slots import RunContext, takes_grad_scale
-from .tiers import step_multiplier
 
 log = logging.getLogger("zeroplug")
 
@@ -158,10 +157,9 @@ class Engine:
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         self.metrics.backward(loss)
         self.partitioner.before_backward()
-        if self.run.at_boundary and takes_grad_scale(self.optimizer):
-            # the step if it neither clips nor overflows: its tier may step during the backward
+        if self.run.at_boundary and takes_grad_scale(self.optimizer):   # a tier may start the step
             self._set_lr(self.scheduler.lr_at(self.lr_step))
-            if not self.partitioner.speculate(self.optimizer, step_multiplier(1.0 / self.precision.loss_scale)):
+            if not self.offload_optimizer.begin_speculation(self.optimizer, 1.0 / self.precision.loss_scale):
                 self._set_lr(self.scheduler.lr_at(max(self.lr_step - 1, 0)))    # the last step's, as before
         self.precision.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.micro_step += 1
@@ -197,7 +195,7 @@ class Engine:
         lr = self.scheduler.lr_at(self.lr_step)
         if overflow:
             self.skipped_steps += 1
-            self._set_lr(self.scheduler.lr_at(max(self.lr_step - 1, 0)))   # (its zero_grad undoes a speculation)
+            self._set_lr(self.scheduler.lr_at(max(self.lr_step - 1, 0)))   # zero_grad undoes a speculation
             if self.run.rank == 0:
                 log.warning("[zeroplug] OVERFLOW! Rank 0 Skipping step %d. Attempted loss scale: %g, "
                             "reducing to %g", self.global_step + 1, scale, self.precision.loss_scale)

@@ -222,12 +222,6 @@ class Partitioner:
     def step_optimizer(self, optimizer) -> None:
         raise NotImplementedError
 
-    def speculate(self, optimizer, multiplier: float) -> bool:
-        """Before a boundary backward (lr set): the step multiplies gradients by ``multiplier``
-        unless it clips or overflows. True: the tier may step during the backward; then
-        ``step_optimizer`` validates that, or ``zero_grad`` without it (overflow) undoes it."""
-        return False
-
     def zero_grad(self) -> None:
         raise NotImplementedError
 

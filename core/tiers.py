@@ -89,11 +89,6 @@ def grad_multiplier(optimizer) -> float:
     return 1.0 if scale is None else 1.0 / float(scale)
 
 
-def step_multiplier(factor: float) -> float:
-    """:func:`grad_multiplier` when the engine's unscale x clip factor is ``factor``."""
-    return 1.0 if factor == 1.0 else 1.0 / float(torch.tensor(1.0 / factor, dtype=torch.float32))
-
-
 def init_group_states(optimizer, k: int) -> None:
     """Allocate the states of optimizer param group ``k`` now, if the optimizer declares
     ``init_group_states(k)`` (cpu_adam does; others create theirs in their first step)."""
@@ -229,19 +224,13 @@ class OffloadTier:
             self.publish(k, optimizer)
             self.release(k, optimizer, changed=True)
 
-    def begin_speculation(self, optimizer, multiplier: float) -> bool:
-        """Before a boundary backward (lr set): the step multiplies gradients by ``multiplier``
-        unless it clips or overflows. True: from ``grads_final(k)`` on the tier may step and
-        publish sub-group k as ``step`` would; ``step`` keeps what its multiplier and settings
-        match and redoes the rest, ``discard`` undoes all; bit-identical to not speculating."""
+    def begin_speculation(self, optimizer, factor: float) -> bool:
+        """Boundary backward, lr set: the unscale x clip ``factor`` if the step does not clip. True:
+        each grad_ready now is its unit's last; step() validates, discard() undoes, bit-exactly."""
         return False
 
-    def grads_final(self, k: int) -> None:
-        """Boundary backward: every unit of sub-group k had its ``grad_ready`` of the window."""
-
     def discard(self) -> None:
-        """Undo what a speculation stepped that no ``step`` validated (the step is skipped, or a
-        forward or a state read comes first); a no-op when nothing is pending."""
+        """Undo what a speculation stepped that no step() validated (a no-op if none)."""
 
     def acquire(self, k: int, optimizer) -> None:
         """Sub-group k's master, gradient and optimizer states (``optimizer.state[masters[k]]``,

@@ -165,6 +165,11 @@ class HostTier(OffloadTier):
         k = self.sub_group_of.get(unit)
         if k is None:       # no elements on this rank
             return
+        self._land(k, unit, src, accumulate)
+        if self.speculation is not None:
+            self.speculation.landed(k)
+
+    def _land(self, k: int, unit, src, accumulate) -> None:
         a, b = self.grad_at[unit]
         base = self.ranges[k][0]
         live = self.delayed is not None and self.delayed.live
@@ -240,17 +245,17 @@ class HostTier(OffloadTier):
         self.speculation.prepare(optimizer, on_host)
 
     # -- the speculative step (speculative.py) ----------------------------------------------
-    def begin_speculation(self, optimizer, multiplier) -> bool:
-        return self.speculation is not None and self.speculation.begin(optimizer, multiplier)
+    def begin_speculation(self, optimizer, factor) -> bool:
+        return self.speculation is not None and self.speculation.begin(optimizer, factor)
 
-    def grads_final(self, k) -> None:
-        spec = self.speculation
-        if spec is None or spec.window is None or not spec.window.active or k in self.lane_groups:
+    def grads_final(self, k: int) -> None:
+        """Sub-group k's gradients of this window are all here (or on their way, on d2h)."""
+        if k in self.lane_groups:
             return
         # Note: every copy into k was queued on d2h (or was synchronous): an event there
         # after them also follows the backward work that wrote k's gradients and read its
         # parameters, so k's new values may go up once it is done.
-        spec.final(k, self.d2h.record_event() if self.cuda else None)
+        self.speculation.final(k, self.d2h.record_event() if self.cuda else None)
 
     def discard(self) -> None:
         if self.speculation is not None:

@@ -5,9 +5,10 @@ The step needs the global norm (clipping) and the overflow verdict, which exist 
 every gradient is reduced. Most steps neither clip nor overflow, and then the step is
 known in advance: the engine's multiplier is ``1 / loss scale`` and the lr is the
 schedule's. So at a boundary backward the engine hands the tier that guess
-(``begin_speculation``), and as the stage reports each sub-group's gradients final
-(``grads_final(k)``: the backward is done with its units) the worker thread steps it with
-the guess and publishes it, exactly as the step would::
+(``begin_speculation``). From then on each unit's ``grad_ready`` is its last of the
+window, so once every unit of sub-group k has handed its gradient over (the backward is
+done with those units) the worker thread steps k with the guess and publishes it,
+exactly as the step would::
 
     backward   | units of sub-group N-1 reduced | N-2 | ... | 0 | norm
     worker               | save + step N-1        | save + step N-2 | ...
@@ -38,12 +39,20 @@ held is recorded at every boundary, speculating or not.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
 #: "auto" speculates after this many steps in a row that neither clipped nor overflowed
 AUTO_CLEAN_STEPS = 4
+
+
+def step_multiplier(factor: float) -> float:
+    """What the step multiplies gradients by for the engine's unscale x clip ``factor``: the
+    engine hands it over as an fp32 ``grad_scale`` of 1 / factor (none when it is 1), which
+    ``zeroplug.tiers.grad_multiplier`` reads back. (Were the two to differ, every guess
+    would fail validation and be redone: slower, never wrong.)"""
+    return 1.0 if factor == 1.0 else 1.0 / float(torch.tensor(1.0 / factor, dtype=torch.float32))
 
 
 def settings(optimizer) -> list[dict]:
@@ -93,6 +102,7 @@ class Window:
         self.begun: list[int] = []         # sub-groups stepped speculatively (saved first)
         self.futures: list = []
         self.uploads: dict[int, object] = {}   # k -> CUDA event of its upload
+        self.left: dict[int, int] = {}         # sub-group -> its units whose gradient is still to come
 
 
 class Speculation:
@@ -104,6 +114,7 @@ class Speculation:
         self.window: Window | None = None
         self.backups: dict[int, Backup] = {}
         self.history: deque[bool] = deque(maxlen=AUTO_CLEAN_STEPS)   # True: the guess held
+        self.units = Counter(tier.sub_group_of.values()) if tier is not None else Counter()
         # statistics (tests, benchmarks)
         self.speculated_steps = 0          # boundaries at which sub-groups stepped during backward
         self.speculated_groups = 0         # sub-group steps kept
@@ -125,17 +136,27 @@ class Speculation:
         return sum(b.nbytes() for b in self.backups.values())
 
     # -- backward -----------------------------------------------------------------------
-    def begin(self, optimizer, multiplier: float) -> bool:
+    def begin(self, optimizer, factor: float) -> bool:
         """A boundary backward begins; True if its sub-groups step during it."""
         self.discard()                      # a boundary backward again without a step
-        self.window = Window(optimizer, multiplier, self.wanted())
-        return self.window.active
+        self.window = w = Window(optimizer, step_multiplier(factor), self.wanted())
+        w.left = dict(self.units)
+        return w.active
+
+    def landed(self, k: int) -> None:
+        """A unit of sub-group k handed its gradient over. After ``begin`` each unit does so
+        once (the contract's promise), so the last one makes k's gradients final."""
+        w = self.window
+        if w is None or not w.active or k not in w.left:
+            return
+        w.left[k] -= 1
+        if w.left[k] == 0:
+            del w.left[k]
+            self.tier.grads_final(k)
 
     def final(self, k: int, after) -> None:
         """Sub-group k's gradients are final (``after``: CUDA event of their copy, or None)."""
         w = self.window
-        if w is None or not w.active:
-            return
         w.futures.append(self.tier.step_worker().submit(self._job, w, k, after))
 
     def _job(self, w: Window, k: int, after) -> None:

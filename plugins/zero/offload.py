@@ -51,46 +51,25 @@ class Offloaded:
                 u.master = self.tier.unit_masters[u.index]
                 if u.hi > u.lo:     # an empty shard on this rank belongs to no sub-group
                     self.sub_group_of[u.index] = k
-        self.units_of = {k: sum(1 for u in g if u.hi > u.lo) for k, g in enumerate(groups)}
-        self.final_left: dict[int, int] = {}     # boundary micro-step: units of k still to land
         part._master_list = list(masters)
         part.sub_group_ranges = [(sg.start, sg.end) for sg in sub_groups]
         part._master_group = [sg.group for sg in sub_groups]
 
     # -- backward ------------------------------------------------------------------------
-    def before_backward(self) -> None:
-        if self.part.run.at_boundary:
-            self.final_left = dict(self.units_of)
-
     def grad_ready(self, u, src: torch.Tensor, first_micro: bool) -> None:
         """``src``: this rank's reduced gradient shard of unit ``u`` on the device."""
         if first_micro and self.gpu_norm:
             self.norm_sq += src.float().pow(2).sum()
         self.tier.grad_ready(u.index, src, accumulate=not first_micro)
-        self._landed(u)
 
     def no_grad(self, u) -> None:
         """No gradient reached ``u`` in this window (its shard in the tier is overwritten,
         not zeroed, each step)."""
         self.tier.grad_ready(u.index, None, accumulate=False)
-        self._landed(u)
-
-    def _landed(self, u) -> None:
-        """At the boundary micro-step, the last unit of a sub-group makes its gradients final
-        (each unit reaches the tier once per backward)."""
-        k = self.sub_group_of.get(u.index)
-        if k is None or not self.part.run.at_boundary or k not in self.final_left:
-            return
-        self.final_left[k] -= 1
-        if self.final_left[k] == 0:
-            del self.final_left[k]
-            self.tier.grads_final(k)
-
-    # -- the speculative step (the tier's business; the engine supplies the guess) -----
-    def speculate(self, optimizer, multiplier: float) -> bool:
-        return self.tier.begin_speculation(optimizer, multiplier)
 
     def discard(self) -> None:
+        """Before a forward or a state read, and after a skipped step: a speculation of the
+        tier that no step validated is undone."""
         self.tier.discard()
 
     def wait_grads(self) -> None:

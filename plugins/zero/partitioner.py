@@ -157,8 +157,6 @@ class FlatPartitioner(Partitioner):
     # -- backward ---------------------------------------------------------------------
     def before_backward(self) -> None:
         self._check_trainability()
-        if self.offload is not None:
-            self.offload.before_backward()
         if self.run.first_micro_step:
             for u in self.units:
                 u.window_fresh = True     # its first reduction in this window overwrites
@@ -393,9 +391,6 @@ class FlatPartitioner(Partitioner):
             n += u.numel
         for h in inflight:
             h.wait()
-
-    def speculate(self, optimizer, multiplier: float) -> bool:
-        return self.offload is not None and self.offload.speculate(optimizer, multiplier)
 
     def wait_optimizer(self, keep_speculation: bool = False) -> None:
         """``keep_speculation``: the step that validates it follows (else states read as before it)."""
