@@ -141,9 +141,7 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the backward of this micro-step closes the accumulation window (asked
         after ``backward`` and before ``step``: whether the one just taken did)."""
-        if not self._stepped_since_backward:
-            return self.micro_steps_in_window >= self.gradient_accumulation_steps
-        return self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
+        return self.micro_steps_in_window + self._stepped_since_backward >= self.gradient_accumulation_steps
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Note: the accumulation window counts backward calls, so ``step()`` may be called
@@ -151,16 +149,13 @@ class Engine:
         boundary (the plain PyTorch loop); either way one optimizer step per window."""
         self._require_states("backward")
         self.phase_clock.mark("backward")
-        gas = self.gradient_accumulation_steps
-        self.run.at_boundary = self.micro_steps_in_window + 1 >= gas
+        self.run.at_boundary = self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
         self.run.first_micro_step = self.micro_steps_in_window == 0
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         self.metrics.backward(loss)
         self.partitioner.before_backward()
-        if self.run.at_boundary and takes_grad_scale(self.optimizer):   # a tier may start the step
-            self._set_lr(self.scheduler.lr_at(self.lr_step))
-            if not self.offload_optimizer.begin_speculation(self.optimizer, 1.0 / self.precision.loss_scale):
-                self._set_lr(self.scheduler.lr_at(max(self.lr_step - 1, 0)))    # the last step's, as before
+        if self.run.at_boundary and self.offload_optimizer.begin_speculation(self.optimizer, self.precision.loss_scale):
+            self._set_lr(self.scheduler.lr_at(self.lr_step))     # the step's: its tier may start it now
         self.precision.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.micro_step += 1
         self.micro_steps_in_window += 1

@@ -224,9 +224,9 @@ class OffloadTier:
             self.publish(k, optimizer)
             self.release(k, optimizer, changed=True)
 
-    def begin_speculation(self, optimizer, factor: float) -> bool:
-        """Boundary backward, lr set: the unscale x clip ``factor`` if the step does not clip. True:
-        each grad_ready now is its unit's last; step() validates, discard() undoes, bit-exactly."""
+    def begin_speculation(self, optimizer, loss_scale: float) -> bool:
+        """Boundary backward: True if the tier steps sub-groups during it, the engine then setting the
+        lr (each grad_ready is its unit's last; step() validates, discard() undoes, bit-exactly)."""
         return False
 
     def discard(self) -> None:

@@ -175,7 +175,7 @@ def test_serial_stage3_and_auto_off_on_cpu():
 def test_auto_follows_recent_steps():
     """"auto" speculates once the last 4 steps held (no clip, no overflow) and stops at the
     first that does not."""
-    from zeroplug.plugins.offload_cpu.speculative import AUTO_CLEAN_STEPS, Speculation, Window
+    from zeroplug.plugins.offload_cpu.speculative import AUTO_CLEAN_STEPS, Speculation, Window, settings
     opt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
     spec = Speculation(None, "auto")
     seen = []
@@ -185,6 +185,7 @@ def test_auto_follows_recent_steps():
         spec.validate(opt, mult)        # nothing was stepped: only the verdict is recorded
     assert seen == [False] * 4 + [True] + [False] * 4 + [True]
     spec.window = Window(opt, 1.0, True)
+    spec.window.settings = settings(opt)    # as the first speculative job records them
     opt.param_groups[0]["lr"] = 0.2     # changed settings: the guess did not hold either
     spec.validate(opt, 1.0)
     assert not spec.wanted()

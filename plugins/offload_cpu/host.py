@@ -245,8 +245,8 @@ class HostTier(OffloadTier):
         self.speculation.prepare(optimizer, on_host)
 
     # -- the speculative step (speculative.py) ----------------------------------------------
-    def begin_speculation(self, optimizer, factor) -> bool:
-        return self.speculation is not None and self.speculation.begin(optimizer, factor)
+    def begin_speculation(self, optimizer, loss_scale) -> bool:
+        return self.speculation is not None and self.speculation.begin(optimizer, loss_scale)
 
     def grads_final(self, k: int) -> None:
         """Sub-group k's gradients of this window are all here (or on their way, on d2h)."""

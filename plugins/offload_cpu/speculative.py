@@ -96,7 +96,7 @@ class Window:
 
     def __init__(self, optimizer, multiplier: float, active: bool):
         self.optimizer, self.multiplier, self.active = optimizer, multiplier, active
-        self.settings = settings(optimizer)
+        self.settings: list[dict] | None = None    # the param groups' settings the first job steps with
         self.lock = threading.Lock()
         self.closed = False                # validated or discarded: no job begins after
         self.begun: list[int] = []         # sub-groups stepped speculatively (saved first)
@@ -136,10 +136,11 @@ class Speculation:
         return sum(b.nbytes() for b in self.backups.values())
 
     # -- backward -----------------------------------------------------------------------
-    def begin(self, optimizer, factor: float) -> bool:
-        """A boundary backward begins; True if its sub-groups step during it."""
+    def begin(self, optimizer, loss_scale: float) -> bool:
+        """A boundary backward begins; True if its sub-groups step during it (the engine then
+        sets the step's lr, before any gradient arrives)."""
         self.discard()                      # a boundary backward again without a step
-        self.window = w = Window(optimizer, step_multiplier(factor), self.wanted())
+        self.window = w = Window(optimizer, step_multiplier(1.0 / loss_scale), self.wanted())
         w.left = dict(self.units)
         return w.active
 
@@ -157,6 +158,8 @@ class Speculation:
     def final(self, k: int, after) -> None:
         """Sub-group k's gradients are final (``after``: CUDA event of their copy, or None)."""
         w = self.window
+        if w.settings is None:
+            w.settings = settings(w.optimizer)
         w.futures.append(self.tier.step_worker().submit(self._job, w, k, after))
 
     def _job(self, w: Window, k: int, after) -> None:
@@ -180,7 +183,7 @@ class Speculation:
         w, self.window = self.window, None
         if w is None:
             return [], {}
-        held = multiplier == w.multiplier and settings(optimizer) == w.settings
+        held = multiplier == w.multiplier and w.settings in (None, settings(optimizer))
         self.history.append(held)
         begun = self._close(w)
         if held:
