@@ -224,13 +224,9 @@ class OffloadTier:
             self.publish(k, optimizer)
             self.release(k, optimizer, changed=True)
 
-    def begin_speculation(self, optimizer, loss_scale: float) -> bool:
-        """Boundary backward: True if the tier steps sub-groups during it, the engine then setting the
-        lr (each grad_ready is its unit's last; step() validates, discard() undoes, bit-exactly)."""
+    def speculate(self, optimizer, loss_scale: float | None) -> bool:
+        """True: steps during this boundary backward; None: undo that unless a step() validated it."""
         return False
-
-    def discard(self) -> None:
-        """Undo what a speculation stepped that no step() validated (a no-op if none)."""
 
     def acquire(self, k: int, optimizer) -> None:
         """Sub-group k's master, gradient and optimizer states (``optimizer.state[masters[k]]``,

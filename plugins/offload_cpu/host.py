@@ -245,8 +245,13 @@ class HostTier(OffloadTier):
         self.speculation.prepare(optimizer, on_host)
 
     # -- the speculative step (speculative.py) ----------------------------------------------
-    def begin_speculation(self, optimizer, loss_scale) -> bool:
-        return self.speculation is not None and self.speculation.begin(optimizer, loss_scale)
+    def speculate(self, optimizer, loss_scale) -> bool:
+        if self.speculation is None:
+            return False
+        if loss_scale is None:
+            self.speculation.discard()
+            return False
+        return self.speculation.begin(optimizer, loss_scale)
 
     def grads_final(self, k: int) -> None:
         """Sub-group k's gradients of this window are all here (or on their way, on d2h)."""
@@ -256,10 +261,6 @@ class HostTier(OffloadTier):
         # after them also follows the backward work that wrote k's gradients and read its
         # parameters, so k's new values may go up once it is done.
         self.speculation.final(k, self.d2h.record_event() if self.cuda else None)
-
-    def discard(self) -> None:
-        if self.speculation is not None:
-            self.speculation.discard()
 
     def publish_finished(self) -> None:
         """The current stream's later work follows every upload queued so far."""

@@ -5,7 +5,7 @@ The step needs the global norm (clipping) and the overflow verdict, which exist 
 every gradient is reduced. Most steps neither clip nor overflow, and then the step is
 known in advance: the engine's multiplier is ``1 / loss scale`` and the lr is the
 schedule's. So at a boundary backward the engine hands the tier that guess
-(``begin_speculation``). From then on each unit's ``grad_ready`` is its last of the
+(``speculate``). From then on each unit's ``grad_ready`` is its last of the
 window, so once every unit of sub-group k has handed its gradient over (the backward is
 done with those units) the worker thread steps k with the guess and publishes it,
 exactly as the step would::

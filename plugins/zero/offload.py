@@ -70,7 +70,7 @@ class Offloaded:
     def discard(self) -> None:
         """Before a forward or a state read, and after a skipped step: a speculation of the
         tier that no step validated is undone."""
-        self.tier.discard()
+        self.tier.speculate(None, None)
 
     def wait_grads(self) -> None:
         self.tier.grads_landed()
