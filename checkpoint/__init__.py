@@ -52,10 +52,11 @@ import torch
 from . import directory as checkpoint_dir
 from zeroplug.errors import StepFailedError
 from .files import (
-    FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, _install, atomic_write_text,
-    fsync_dir, newest_verified, prune, rank_file_name, read_latest, read_manifest, resolve, verify, write_manifest,
-    write_torch_file,
+    FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, _install, agree, atomic_write_text,
+    fsync_dir, newest_verified, open_checkpoint, prune, rank_file_name, read_latest, read_manifest, resolve, verify,
+    write_manifest, write_torch_file,
 )
+from .validate import Fields, check_like, check_rng
 # Re-exported: the engine, the CLI, the zero plugin and the tests import them from here.
 from .exporting import consolidate, export  # noqa: F401
 from .files import atomic_torch_save, load, piece_view  # noqa: F401
@@ -325,26 +326,95 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Restore ``engine`` from a checkpoint (every rank must call it); returns (path, client_state).
     A full load (optimizer states included) is also how an engine whose step failed gets a
-    whole state back."""
+    whole state back.
+
+    Every file is read once from what was verified (:class:`ShardSet`) and checked against
+    this engine's layout before anything in the engine changes; with several ranks every
+    rank's checks must pass (:meth:`ShardSet.commit`). A refused checkpoint leaves the engine
+    as it was. Should a load fail after that point, the engine is marked failed: its next
+    step refuses until a load succeeds."""
     failed, engine.run.failed = engine.run.failed, None
     try:
         engine._require_states("load_checkpoint")
     finally:
         engine.run.failed = failed
     comm = engine.run.comm
-    path = resolve(load_dir, tag)
-    manifest = read_manifest(path)
-    verify(path, manifest, comm)
-    if failed is not None:
-        _reset_after_failure(engine)
-    shards = ShardSet(path, manifest)
-    engine.partitioner.release_all()
-    _partitioner_call(engine, "load_checkpoint_state")(
-        shards, optimizer=engine.optimizer, load_master=not load_module_only,
-        load_optimizer_states=load_optimizer_states and not load_module_only)
-    shards.release()
-    rank = comm.rank
-    own = shards.load_rank(rank if rank < shards.world_size else 0)
+    shards, own, error = None, None, None
+    try:
+        shards = open_checkpoint(load_dir, tag, comm)
+        own = _own_state(engine, shards, load_module_only)
+    except CheckpointError as exc:
+        error = str(exc)
+    if error is not None:
+        if shards is not None:
+            shards.close()
+        agree(comm, error)          # raises on every rank
+    path = shards.path
+    midway = None
+    with shards:
+        if failed is not None:
+            _reset_after_failure(engine)
+        engine.partitioner.release_all()
+        try:
+            # Note: the partitioner checks every file against its layout, then calls
+            # shards.commit() (every rank agrees) and only then copies.
+            _partitioner_call(engine, "load_checkpoint_state")(
+                shards, optimizer=engine.optimizer, load_master=not load_module_only,
+                load_optimizer_states=load_optimizer_states and not load_module_only)
+        except CheckpointError as exc:
+            if not shards.committed:
+                error = str(exc)
+            else:
+                midway = exc
+        except Exception as exc:    # noqa: BLE001 - a file its checks missed: one line, not a traceback
+            if not shards.committed:
+                error = f"checkpoint {str(path)!r} does not fit this engine ({_one_line(exc)})"
+            else:
+                midway = exc
+        if not shards.committed:
+            shards.commit(error)    # raises on every rank when any rank's checks failed
+    if midway is None:
+        try:
+            _apply_own(engine, own, load_module_only, load_lr_scheduler_states, comm.rank < shards.world_size)
+        except Exception as exc:    # noqa: BLE001 - reported by every rank below
+            midway = exc
+    client_state = own["client_state"]
+    del own
+    # every rank learns whether all finished (also the barrier at the end of a load)
+    errors = comm.all_gather_object(None if midway is None else _one_line(midway))
+    bad = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if bad is not None:
+        r, e = bad
+        engine.run.failed = (f"loading checkpoint {str(path)!r} failed after it was checked "
+                             f"({'' if r == comm.rank else f'rank {r}: '}{e}); the engine holds part of it")
+        raise CheckpointError(f"{engine.run.failed}: load a checkpoint again before training") from midway
+    if load_optimizer_states and not load_module_only:
+        engine.run.failed = None    # every state is the checkpoint's now
+    return str(path), client_state
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}" if not isinstance(exc, CheckpointError) \
+        else (text[0] if text else "")
+
+
+def _own_state(engine, shards: ShardSet, load_module_only: bool) -> dict:
+    """This rank's counters, scaler, RNG and hook states from its rank file, checked against
+    the engine (nothing applied yet)."""
+    rank = engine.run.comm.rank
+    r = rank if rank < shards.world_size else 0
+    obj = shards.load_rank(r)
+    where = f"checkpoint {str(shards.path)!r}: file {shards.file_of(r)}"
+    own = {k: obj[k] for k in ("counters", "precision", "rng", "plugins", "client_state")}
+    if not load_module_only:
+        check_like(own["precision"], engine.precision.state_dict(), Fields(where), "precision")
+        if rank < shards.world_size:
+            check_rng(own["rng"], Fields(where))
+    return own
+
+
+def _apply_own(engine, own: dict, load_module_only: bool, load_lr_scheduler_states: bool, own_rng: bool) -> None:
     if not load_module_only:
         c = own["counters"]
         engine.global_step, engine.micro_step = c["global_step"], c["micro_step"]
@@ -352,21 +422,16 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         if load_lr_scheduler_states:
             engine.lr_step = c["lr_step"]
         engine.precision.load_state_dict(own["precision"])
-        if rank < shards.world_size:
+        if own_rng:
             set_rng_states(own["rng"])
         engine.hook.zeroplug_checkpoint_state_load(engine=engine, states=own["plugins"])
     engine._set_lr(engine.scheduler.lr_at(engine.lr_step))
-    client_state = own["client_state"]
-    del own
-    comm.barrier()
-    if load_optimizer_states and not load_module_only:
-        engine.run.failed = None    # every state is the checkpoint's now
-    return str(path), client_state
 
 
 def resume(engine, load_dir, tag=None, fallback: bool = False):
     """Load the checkpoint to continue from; every rank must call it. Returns ``(path,
-    client_state)``, or None when ``load_dir`` holds no checkpoint at all.
+    client_state)``, or None when ``tag`` is None and ``load_dir`` holds no checkpoint at all
+    (a tag asked for by name that is not there is an error).
 
     ``tag`` None means the one ``latest`` names. When that cannot be loaded (``latest``
     missing or corrupt, the tag missing or failing verification), ``fallback`` loads the
@@ -378,7 +443,7 @@ def resume(engine, load_dir, tag=None, fallback: bool = False):
     empty = None
     if comm.rank == 0:
         empty = not root.is_dir() or not ((root / LATEST).exists() or _has_tags(root))
-    if comm.broadcast_object(empty, src=0):
+    if comm.broadcast_object(empty, src=0) and tag is None:
         return None
     try:
         return load_checkpoint(engine, root, tag)

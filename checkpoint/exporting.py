@@ -14,7 +14,7 @@ import torch
 
 from zeroplug.errors import StateError
 
-from .files import CheckpointError, ShardSet, atomic_torch_save, read_manifest, resolve, verify
+from .files import CheckpointError, atomic_torch_save, open_checkpoint
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -27,14 +27,15 @@ def _dtype(name: str) -> torch.dtype:
 def consolidate(load_dir, tag=None) -> dict:
     """The full model state dict (model dtype, the model's own names), read from the
     checkpoint files alone: no engine, no model class, no process group."""
-    path = resolve(load_dir, tag)
-    manifest = read_manifest(path)
-    verify(path, manifest)
-    shards = ShardSet(path, manifest)
-    meta = shards.meta
+    with open_checkpoint(load_dir, tag) as shards:
+        return _consolidate(shards)
+
+
+def _consolidate(shards) -> dict:
+    path, meta = shards.path, shards.meta
     full = {n: torch.empty(int(torch.Size(p["shape"]).numel()), dtype=_dtype(p["dtype"]))
             for n, p in meta["params"].items()}
-    filled = dict.fromkeys(full, 0)
+    spans: dict[str, list] = {n: [] for n in full}
     extras = {}
     for model in shards:
         for name, pieces in model["pieces"].items():
@@ -46,13 +47,18 @@ def consolidate(load_dir, tag=None) -> dict:
                 if val is None:
                     raise CheckpointError(f"checkpoint {str(path)!r}: a piece of {name!r} has no values")
                 full[name][pc["start"]:pc["end"]].copy_(val)
-                filled[name] += pc["end"] - pc["start"]
+                spans[name].append((pc["start"], pc["end"]))
         for k, v in model.get("extras", {}).items():
             extras[k] = v.clone()
     for name, t in full.items():
-        if filled[name] != t.numel():
-            raise CheckpointError(f"checkpoint {str(path)!r} holds {filled[name]} of the {t.numel()} elements "
-                                  f"of {name!r}")
+        at = 0
+        for a, b in sorted(spans[name]):
+            if a != at:
+                raise CheckpointError(f"checkpoint {str(path)!r} holds element {min(a, at)} of {name!r} "
+                                      f"{'twice' if a < at else 'not at all'}")
+            at = b
+        if at != t.numel():
+            raise CheckpointError(f"checkpoint {str(path)!r} holds {at} of the {t.numel()} elements of {name!r}")
     out = {}
     for key, name in meta["state_dict"]:
         if name is None:

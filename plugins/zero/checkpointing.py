@@ -269,9 +269,25 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
     """Load this rank's part from ``states`` (a :class:`zeroplug.checkpoint.ShardSet`: the
     rank files' ``model`` parts, one at a time), whatever world size wrote them. With a
     tier that keeps states out of memory, masters and optimizer states are filled one
-    sub-group at a time (see the module docstring)."""
+    sub-group at a time (see the module docstring).
+
+    Two walks over the files: the first checks everything this rank will copy (every
+    element it needs exactly once, the values and states there, their dtypes, the
+    optimizer's hyper-parameters) and changes nothing; then ``states.commit()`` (where
+    several ranks agree that all passed); the second copies."""
     where = repr(str(getattr(states, "path", "")))
     _check_model(states.meta, checkpoint_meta(part), where)
+    want_opt = load_optimizer_states and optimizer is not None
+    _walk(part, states, optimizer, load_master, want_opt, where, dry=True)
+    commit = getattr(states, "commit", None)
+    if commit is not None and not getattr(states, "committed", False):
+        commit()
+    _walk(part, states, optimizer, load_master, want_opt, where, dry=False)
+
+
+def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str, dry: bool) -> None:
+    """One walk over the checkpoint's files (see :func:`import_state`): ``dry`` checks
+    without changing anything."""
     segs = segments(part)
     by_name: dict[str, list[tuple[int, Segment]]] = {}
     for j, s in enumerate(segs):
@@ -281,10 +297,10 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
     streamed = part.offload is not None and not part.offload_optimizer.capabilities.in_memory
     away = {u.index for u in part.units if ptier.absent(u.index)}
     lp_later: dict[int, list] = {}      # unit out of memory -> where its pieces' model-dtype values are
-    want_opt = load_optimizer_states and optimizer is not None
-    filled = [0] * len(segs)
+    covered: list[list[tuple[int, int]]] = [[] for _ in segs]
     new_state: list[dict] = [{} for _ in masters]
     opt_filled: dict[tuple[int, str], int] = {}
+    opt_seen: dict[str, torch.dtype] = {}
     # streamed: per sub-group, where its pieces are: (source, segment, name, start, end, x, y), where
     # source is the part file's name or the piece's (rank, index) in its rank file (no tensors
     # kept: the files are mapped again, one at a time, when the sub-group is in memory)
@@ -301,14 +317,20 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
             val = full.get("master", full.get("param", pc.get("param")))
             if val is None:
                 raise CheckpointError(f"checkpoint {where}: a piece of {name!r} has no values")
-            seg.master(masters)[d0:d0 + (y - x)].copy_(val[src])
+            if not dry:
+                seg.master(masters)[d0:d0 + (y - x)].copy_(val[src])
         if want_opt:
             for key, t in full.get("optim", {}).items():
+                opt_filled[(seg.k, key)] = opt_filled.get((seg.k, key), 0) + (y - x)
+                if dry:
+                    if opt_seen.setdefault(key, t.dtype) != t.dtype:
+                        raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} of {name!r} is "
+                                              f"{t.dtype}, elsewhere {opt_seen[key]}")
+                    continue
                 if key not in st:
                     st[key] = _state_buffer(optimizer, masters[seg.k], key, t.dtype)
                 m0 = seg.mloc + d0
                 st[key][m0:m0 + (y - x)].copy_(t[src])
-                opt_filled[(seg.k, key)] = opt_filled.get((seg.k, key), 0) + (y - x)
 
     def take(rank: int, model: dict) -> None:
         """Everything of one rank file that this rank needs now (its locals, which hold
@@ -321,11 +343,14 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
             if groups is None and model.get("optim_groups"):
                 groups = model["optim_groups"]
         for k, v in model.get("extras", {}).items():
-            dst = live[k]
-            if dst.shape != v.shape:
-                raise CheckpointError(f"checkpoint {where}: {k!r} has shape {tuple(v.shape)}, "
-                                      f"the model {tuple(dst.shape)}")
-            dst.data.copy_(v)
+            dst = live.get(k)
+            if dst is None or not torch.is_tensor(dst):
+                raise CheckpointError(f"checkpoint {where}: {k!r} is not an entry of this model's state dict")
+            if dst.shape != v.shape or dst.is_floating_point() != v.is_floating_point() or v.is_complex():
+                raise CheckpointError(f"checkpoint {where}: {k!r} is {tuple(v.shape)} {v.dtype}, "
+                                      f"the model's {tuple(dst.shape)} {dst.dtype}")
+            if not dry:
+                dst.data.copy_(v)
         for name, pieces in model["pieces"].items():
             for j, seg in by_name.get(name, ()):
                 for i, pc in enumerate(pieces):
@@ -340,8 +365,10 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
                     if seg.unit in away:     # its shard is out of memory: filled unit by unit
                         lp_later.setdefault(seg.unit, []).append((source, seg, name, pc["start"], pc["end"], x, y))
                     else:                # an alias (one tensor): prefer exact fp32 masters when saved
-                        seg.lp[dst].copy_(_lp_value(states, name, pc, part.alias and load_master)[src])
-                    filled[j] += y - x
+                        val = _lp_value(states, name, pc, part.alias and load_master)
+                        if not dry:
+                            seg.lp[dst].copy_(val[src])
+                    covered[j].append((x, y))
                     if streamed:           # the masters are out of memory: later
                         source = (0, ref, 0) if isinstance(ref, str) else (1, rank, i)
                         later[seg.k].append((source, seg, name, pc["start"], pc["end"], x, y))
@@ -370,10 +397,18 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
             del model
         states.release()
         for j, s in enumerate(segs):
-            if filled[j] != s.b - s.a:
-                raise CheckpointError(f"checkpoint {where} holds {filled[j]} of the elements [{s.a}, {s.b}) "
-                                      f"of {s.name!r} that this rank needs")
-        if streamed:
+            _check_covered(covered[j], s, where)
+        if dry:
+            for u, entries in lp_later.items():       # values of shards out of memory: there
+                for (kind, ref, i), seg, name, a, b, x, y in sorted(entries, key=lambda e: e[0]):
+                    pc = {"start": a, "end": b, "part": ref} if kind == 0 else states.rank_piece(ref, name, i)
+                    _lp_value(states, name, pc, part.alias and load_master)
+            for k in range(len(masters)):             # masters and states out of memory: there
+                for (kind, ref, i), seg, name, a, b, x, y in sorted(later[k], key=lambda e: e[0]):
+                    pc = {"start": a, "end": b, "part": ref} if kind == 0 else states.rank_piece(ref, name, i)
+                    fill(seg, name, pc, x, y, None)
+            states.release()
+        elif streamed:
             _fill_streamed(part, states, optimizer, later, new_state, fill, keys if want_opt else {},
                           load_master, shard_in)
         if want_opt:
@@ -386,15 +421,51 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
             for k, key in ((k, key) for k in need for key in keys):
                 if opt_filled.get((k, key), 0) != need[k]:
                     raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
+            if dry:
+                _check_optimizer(where, optimizer, opt_seen, keys, groups)
+                return
             # parameter groups of one's own (model_parameters) keep the settings the engine was
             # built with; the saved ones are one group's
             _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys,
                                      groups if getattr(part, "groups", None) is None or part.groups.plain else None)
+    if dry:
+        return
     if not streamed:
         _publish(part, shard_in, follow=not load_master)    # module only: masters follow the weights
     else:
         part._gather_after_step()       # published sub-group by sub-group in _fill_streamed
     part.zero_grad()
+
+
+def _check_covered(spans: list[tuple[int, int]], s: Segment, where: str) -> None:
+    """The pieces that fall into ``s`` hold each of its elements exactly once."""
+    at = s.a
+    for x, y in sorted(spans):
+        if x != at:
+            what = "twice" if x < at else "not at all"
+            raise CheckpointError(f"checkpoint {where} holds element {min(x, at)} of {s.name!r} {what} "
+                                  f"(this rank needs [{s.a}, {s.b}))")
+        at = y
+    if at != s.b:
+        raise CheckpointError(f"checkpoint {where} holds {at - s.a} of the elements [{s.a}, {s.b}) "
+                              f"of {s.name!r} that this rank needs")
+
+
+def _check_optimizer(where: str, optimizer, seen: dict, keys: dict, groups) -> None:
+    """The optimizer states and hyper-parameters the load would install: of the dtypes the
+    checkpoint declares, and hyper-parameters of the kinds the optimizer has."""
+    for key, dt in seen.items():
+        if key not in keys or _dtype_name(dt) != keys[key]:
+            raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} ({_dtype_name(dt)}) is not one "
+                                  f"its optim_keys declare ({', '.join(f'{k}: {v}' for k, v in keys.items()) or 'none'})")
+    if not groups or not optimizer.param_groups:
+        return
+    from zeroplug.checkpoint.validate import Fields, check_like
+    bad = Fields(f"checkpoint {where}: model.optim_groups[0]")
+    cur = optimizer.param_groups[0]
+    for key, v in groups[0].items():
+        if key in cur and key not in _GROUP_KEYS_KEPT:
+            check_like(v, cur[key], bad, key, signs=False)
 
 
 def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool,
