@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from zeroplug.errors import ZeroplugError
+from zeroplug.errors import ZeroplugError, allocation_failure, memory_available
 
 
 def _split_overrides(argv):
@@ -88,12 +88,13 @@ def cmd_convert(args, overrides) -> int:
     import json
 
     from zeroplug.convert import convert_text
+    from zeroplug.config import read_config_bytes
     try:
-        ds = json.loads(Path(args.file).read_text())
-    except FileNotFoundError:
-        raise ZeroplugError(f"{args.file}: no such file") from None
-    except json.JSONDecodeError as exc:
+        ds = json.loads(read_config_bytes(Path(args.file)))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ZeroplugError(f"{args.file}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ZeroplugError(f"{args.file}: not valid JSON: nested more deeply than a config can be") from None
     try:
         print(convert_text(ds), end="")
     except ZeroplugError as exc:
@@ -152,8 +153,17 @@ def cmd_docs(args, overrides) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one ``error:`` line (exit 2) like every other, not
+    the usage block; its subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zeroplug", description="Plugin-based ZeRO training for PyTorch.")
+    p = _Parser(prog="zeroplug", description="Plugin-based ZeRO training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
     from zeroplug.workload import train
     train.add_parser(sub)            # the demo's loop (zeroplug.workload), outside the core
@@ -211,11 +221,28 @@ def main(argv=None) -> int:
         from zeroplug.deepspeed.launcher.runner import main as launch
         return launch(argv[1:])
     overrides, rest = _split_overrides(argv)
-    args = build_parser().parse_args(rest)
+    try:
+        args = build_parser().parse_args(rest)
+    except SystemExit as exc:       # --help (0) or an argparse error, already printed (2)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.fn(args, overrides)
-    except (ZeroplugError, MemoryError) as exc:
+    except ZeroplugError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:
+        print(f"error: out of host memory ({exc or 'MemoryError'}){memory_available()}: use a smaller model, "
+              "more ranks, or offload less", file=sys.stderr)
+        return 2
+    except RecursionError:
+        print("error: an input is nested more deeply than it can be (RecursionError)", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        line = allocation_failure(exc)
+        if line is None:
+            raise
+        print(f"error: out of host memory: {line}{memory_available()}: use a smaller model (--model), more ranks, "
+              "or offload less", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

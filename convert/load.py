@@ -17,10 +17,14 @@ def read_json(path, text: str) -> DeepSpeedRaw:
         ds = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON: nested more deeply than a config can be") from None
     try:
         return from_deepspeed(ds)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}", key=exc.key) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested more deeply than a DeepSpeed config can be") from None
 
 
 def resolve_translated(raw: DeepSpeedRaw, model, world_size: int, resolve):

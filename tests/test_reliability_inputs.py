@@ -79,6 +79,21 @@ BAD = {
                                  ["checkpoint.dir", "ck' is a file, not a directory"]),
     "checkpoint-dir-under-a-file": ({"ck": b"x"}, ["--checkpoint.dir={ck}/sub"],
                                     ["ck/sub'", "ENOTDIR", "Fix:"]),
+    # bounded at config time, not an overflow deep in torch
+    "micro-batch-1e30": ({}, ["--batch.micro_batch_size=1e30"],
+                         ["batch.micro_batch_size", "out of range", "<= 16777216"]),
+    "micro-batch-int64-max": ({}, [f"--batch.micro_batch_size={2**63 - 1}"],
+                              ["batch.micro_batch_size = 9223372036854775807", "out of range"]),
+    "monitor-path-uncreatable": ({}, ["--monitor.plugin=csv", "--monitor.path=/nonexistent-dir/sub/m.csv"],
+                                 ["monitor.path '/nonexistent-dir/sub/m.csv' cannot be created",
+                                  "No such file or directory"]),
+    "deepspeed-json-nested-50000": ({"ds.json": b"[" * 50000 + b"]" * 50000}, ["--config", "{ds.json}"],
+                                    ["ds.json", "nested more deeply than a config can be"]),
+    "toml-nested-50000": ({"c.toml": b"a = " + b"[" * 50000 + b"]" * 50000}, ["--config", "{c.toml}"],
+                          ["c.toml", "nested more deeply"]),
+    "config-dev-zero": ({}, ["--config", "/dev/zero"], ["'/dev/zero' is not a regular file (a device)"]),
+    "steps-abc": ({}, ["--steps", "abc"], ["zeroplug train: argument --steps: invalid int value: 'abc'"]),
+    "seq-1e9": ({}, ["--seq", "1000000000"], ["--seq 1000000000: model char-tiny takes at most 128 tokens"]),
 }
 
 
@@ -106,6 +121,48 @@ def test_malformed_input_from_a_real_process(tmp_path):
     r = subprocess.run([sys.executable, "-m", "zeroplug.cli", *COMMON, "--config", str(cfg)], capture_output=True,
                        text=True)
     assert r.returncode == 2 and one_error(r.stderr).startswith(f"error: --config '{cfg}' is not a text file")
+
+
+def test_config_fifo_is_refused_without_blocking(tmp_path, capsys):
+    fifo = tmp_path / "c.toml"
+    os.mkfifo(fifo)
+    code, out, err = run_cli(capsys, "--steps", "1", "--config", str(fifo))
+    assert code == 2 and f"'{fifo}' is not a regular file (a FIFO)" in one_error(err)
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "abc"], ["train", "--bogus"], ["export"],
+                                  ["estimate", "--world-size", "x"], ["tune", "--steps", "x"], ["report"],
+                                  ["convert"], ["docs", "--nope"], ["nosuch"], []])
+def test_argparse_errors_are_one_line_for_every_subcommand(capsys, argv):
+    assert main(argv) == 2
+    line = one_error(capsys.readouterr().err)
+    assert line.startswith("error: zeroplug") and "--help" in line, line
+
+
+def test_a_model_that_does_not_fit_host_memory_is_one_line(tmp_path):
+    """torch's allocation failure (alloc_cpu.cpp) in a process whose address space is
+    limited below the model's size: one line with the numbers, exit 2."""
+    resource = pytest.importorskip("resource")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1200 << 20, 1200 << 20))
+    r = subprocess.run([sys.executable, "-m", "zeroplug.cli", *COMMON, "--model", "350M", "--steps", "1"],
+                       capture_output=True, text=True, preexec_fn=limit, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = one_error(r.stderr)
+    assert "--model 350M does not fit this host's memory" in line and "you tried to allocate" in line, line
+
+
+def test_resume_of_a_named_tag_in_an_empty_dir_fails(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "--steps", "1", f"--checkpoint.dir={tmp_path / 'nockpt'}",
+                             "--resume=global_step5")
+    assert code == 2
+    line = one_error(err)
+    assert "'global_step5' not found in" in line and "train loss" not in out, line
+    for choice in ("--resume", "--resume=auto"):
+        code, out, err = run_cli(capsys, "--steps", "1", f"--checkpoint.dir={tmp_path / 'empty'}", choice)
+        assert code == 0 and "starting at step 0" in out, err
+        shutil.rmtree(tmp_path / "empty")
 
 
 # --- resume: latest missing, corrupt or outside -------------------------------------------------------

@@ -175,3 +175,31 @@ def test_metrics_line_of_a_cpu_run_has_no_gpu_memory_fields():
     assert "MemAllocated" not in cpu and cpu.endswith("RSS=1.00GB")
     gpu = format_line({**m, "mem_allocated": 2 ** 31, "max_mem_allocated": 2 ** 32})
     assert "MemAllocated=2.00GB MaxMemAllocated=4.00GB RSS=1.00GB" in gpu
+
+
+HOSTILE = {
+    # name: (file bytes, whether good rows remain to draw)
+    "step-1e400": (b"step,loss,tokens_per_sec\n1e400,5.0,100\n1,5.0,100\n2,4.0,110\n", True),
+    "value-inf": (b"step,loss,tokens_per_sec\n1,1e400,100\n2,4.0,110\n3,nan,120\n", True),
+    "binary": (bytes(range(256)) * 40, False),
+    "binary-rows": (b"step,loss,tokens_per_sec\n1,5.0,100\n\x00\xff\xfe,\x00\x01\n2,4.0,110\n", True),
+    "field-200kB": (b"step,loss,tokens_per_sec\n1,5.0,100\n2,\"" + b"9" * 200_000 + b"\",110\n3,4.0,120\n", True),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_report_survives_hostile_csv(tmp_path, capsys, name):
+    """A hostile metrics file: an error line, or the bad rows skipped with one warning; never
+    a traceback."""
+    pytest.importorskip("matplotlib")
+    data, drawable = HOSTILE[name]
+    (tmp_path / "m.csv").write_bytes(data)
+    rc = main(["report", str(tmp_path / "m.csv"), "--out", str(tmp_path / "m.png")])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    if drawable:
+        assert rc == 0 and (tmp_path / "m.png").exists(), err
+        assert len(lines) <= 1 and all(ln.startswith("warning: ") for ln in lines), err
+    else:
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err

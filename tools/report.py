@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+import sys
 from pathlib import Path
 
 from zeroplug.errors import ZeroplugError
@@ -36,20 +37,45 @@ _TAGS = {"Train/loss": "loss", "Train/lr": "lr", "Train/loss_scale": "loss_scale
 Series = dict[str, list[tuple[int, float]]]
 
 
+MAX_STEP = 1 << 53
+
+
 def read_csv(path: Path) -> Series:
     """Every non-empty numeric cell as (step, value), by column; memory in GiB. The CSV
-    monitor appends: when the steps start again from a lower one, the last run is read."""
+    monitor appends: when the steps start again from a lower one, the last run is read.
+    Rows that are not metrics (binary data, a field larger than the csv module takes, a step
+    that is not a finite whole number, non-finite values) are skipped, and counted in one
+    warning."""
     out: Series = {}
     last = -1
-    with open(path, newline="") as f:
+    skipped, first_bad = 0, None
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
         reader = csv.DictReader(f)
-        if not reader.fieldnames or "step" not in reader.fieldnames:
+        try:
+            fields = reader.fieldnames
+        except csv.Error:
+            fields = None
+        if not fields or "step" not in fields:
             raise ZeroplugError(f"{path}: not a zeroplug metrics CSV (no 'step' column); write one "
                                 "with [monitor] plugin = \"csv\"")
-        for row in reader:
+        while True:
             try:
-                step = int(float(row["step"]))
+                row = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as exc:        # NUL bytes, a field over csv.field_size_limit(), ...
+                skipped += 1
+                first_bad = first_bad or f"line {reader.line_num}: {exc}"
+                continue
+            try:
+                x = float(row["step"])
+                step = int(x) if math.isfinite(x) and 0 <= x <= MAX_STEP and x == int(x) else None
             except (TypeError, ValueError):
+                step = None
+            if step is None:
+                if row.get("step") not in (None, ""):
+                    skipped += 1
+                    first_bad = first_bad or f"line {reader.line_num}: step {str(row['step'])[:40]!r}"
                 continue
             if step < last:       # a new run appended to the same file
                 out = {}
@@ -61,7 +87,12 @@ def read_csv(path: Path) -> Series:
                     value = float(cell)
                 except ValueError:
                     continue
+                if not math.isfinite(value):
+                    continue
                 out.setdefault(key, []).append((step, value / GiB if key in _BYTES else value))
+    if skipped:
+        print(f"warning: {path}: skipped {skipped} row(s) that are not metrics (first: {first_bad})",
+              file=sys.stderr)
     return out
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import zeroplug
 
-from zeroplug.errors import StepFailedError, ZeroplugError
+from zeroplug.errors import StepFailedError, ZeroplugError, allocation_failure, memory_available
 
 #: the packaged default configuration (what ``zeroplug train`` reads without --config or ./zero.toml)
 DEFAULT_CONFIG = Path(zeroplug.__file__).with_name("zero.toml")
@@ -77,8 +77,11 @@ def _read_config_file(path):
     p = Path(path)
     if p.is_dir():
         raise ZeroplugError(f"--config {str(p)!r} is a directory: pass a TOML file or a DeepSpeed JSON file")
-    if p.is_file():
-        data = p.read_bytes()
+    try:
+        data = config_mod.read_config_bytes(p)      # a regular file (never blocks on a FIFO)
+    except ZeroplugError as exc:
+        raise ZeroplugError(f"--config: {exc}") from None
+    if data:
         bad = [i for i in (data.find(b"\0"),) if i >= 0]
         try:
             data.decode("utf-8")
@@ -143,7 +146,10 @@ def cmd_train(args, overrides) -> int:
         mcfg = get_preset(args.model)
     except (OSError, KeyError, ValueError) as exc:
         raise ZeroplugError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
-    seq = min(args.seq or mcfg.seq_len, mcfg.seq_len)
+    if args.seq is not None and args.seq > mcfg.seq_len:
+        raise ZeroplugError(f"--seq {args.seq}: model {args.model} takes at most {mcfg.seq_len} tokens per "
+                            f"sequence (e.g. --seq {mcfg.seq_len})")
+    seq = args.seq or mcfg.seq_len
     if len(corpus) < min_corpus_bytes(seq):
         what = f"--data {args.data!r}" if args.data else "the corpus (--max-bytes)"
         raise ZeroplugError(f"{what}: {len(corpus):,} bytes is too small for one training window of {seq + 1} "
@@ -153,8 +159,15 @@ def cmd_train(args, overrides) -> int:
     if ck.dir:      # checked and locked before any training that a bad directory would lose
         checkpoint_dir.hold_on_rank0(run.comm, ck.dir, args)
     torch.manual_seed(args.seed)
-    model = GPT(mcfg)
-    engine = initialize(model, cfg, device=device)
+    try:
+        model = GPT(mcfg)
+        engine = initialize(model, cfg, device=device)
+    except RuntimeError as exc:
+        line = allocation_failure(exc)
+        if line is None:
+            raise
+        raise ZeroplugError(f"--model {args.model} does not fit this host's memory ({line}){memory_available()}: "
+                            "use a smaller --model, more ranks, or offload less") from None
     data = ByteBatches(corpus, cfg.batch.micro_batch_size, seq, seed=args.seed, rank=rank,
                        world_size=world, device=device)
     if rank == 0:

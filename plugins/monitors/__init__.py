@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import csv
 import os
+import stat
 import sys
 from dataclasses import dataclass
 
 from zeroplug import hookimpl
+from zeroplug.errors import ConfigError
 from zeroplug.observe.memory import GB
 from zeroplug.options import opt
 from zeroplug.observe.phases import PHASES
@@ -55,20 +57,46 @@ class CSVMonitor(Monitor):
     def __init__(self, options, run):
         super().__init__(options, run)
         self._file = None
+        if run.rank == 0:       # a path that cannot be written fails here, before any training
+            self._open()
+
+    def _open(self) -> None:
+        path = self.options.path
+        try:
+            # Note: no blocking on a FIFO (refused below), created 0644 like other outputs
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"monitor.path {path!r} cannot be created or appended to: "
+                              f"{exc.strerror or exc}: set monitor.path to a file in a directory that exists "
+                              "and that this user can write", key="monitor.path") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(f"monitor.path {path!r} is not a regular file (a FIFO, device or directory): set "
+                              "monitor.path to a CSV file", key="monitor.path")
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "a+", newline="", encoding="utf-8", errors="replace")
+        try:
+            f.seek(0)
+            header = next(csv.reader(f), None)     # appending: keep the file's columns
+        except csv.Error:
+            header = None
+        if header is not None and "step" not in header:
+            f.close()
+            raise ConfigError(f"monitor.path {path!r} holds something other than zeroplug metrics (its first "
+                              "line has no 'step' column): set monitor.path to a new file", key="monitor.path")
+        f.seek(0, 2)
+        self._file = f
+        print(f"[zeroplug] csv monitor: appending to {os.path.abspath(path)}", flush=True)
+        # Note: an evaluation row holds only step and eval_loss; readers skip empty cells.
+        self._writer = csv.DictWriter(f, header or FIELDS, extrasaction="ignore")
+        if not header:
+            self._writer.writeheader()
 
     def write(self, metrics):
         if self.run.rank != 0:
             return
         if self._file is None:
-            # Note: an evaluation row holds only step and eval_loss; readers skip empty cells.
-            self._file = open(self.options.path, "a+", newline="")
-            print(f"[zeroplug] csv monitor: appending to {os.path.abspath(self.options.path)}", flush=True)
-            self._file.seek(0)
-            header = next(csv.reader(self._file), None)     # appending: keep the file's columns
-            self._file.seek(0, 2)
-            self._writer = csv.DictWriter(self._file, header or FIELDS, extrasaction="ignore")
-            if not header:
-                self._writer.writeheader()
+            self._open()
         self._writer.writerow(metrics)
         self._file.flush()
 
