@@ -33,8 +33,12 @@ A rank file is a dict::
 
 Pieces are written as zero-copy views whose storage is exactly the piece (DLPack), so a
 save needs no second copy of the states and each file holds only what its rank owns.
-Loading memory-maps one rank file at a time; each loading rank copies out the pieces
-that intersect what it owns now, whatever the world size that wrote them.
+Loading reads each file once, without following links, and loads it from the bytes it
+verified (:mod:`.reading`); every field is checked (:mod:`.validate`) and the partitioner
+checks everything it will copy before it copies anything; the ranks agree that all
+passed (:meth:`ShardSet.commit`) before any engine changes. Rank files are mapped one
+at a time; each loading rank copies out the pieces that intersect what it owns now,
+whatever the world size that wrote them.
 """
 from __future__ import annotations
 
@@ -362,11 +366,15 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                 shards, optimizer=engine.optimizer, load_master=not load_module_only,
                 load_optimizer_states=load_optimizer_states and not load_module_only)
         except CheckpointError as exc:
+            if shards.refused:      # some rank's checks failed: nothing changed
+                raise
             if not shards.committed:
                 error = str(exc)
             else:
                 midway = exc
         except Exception as exc:    # noqa: BLE001 - a file its checks missed: one line, not a traceback
+            if shards.refused:
+                raise
             if not shards.committed:
                 error = f"checkpoint {str(path)!r} does not fit this engine ({_one_line(exc)})"
             else:
@@ -408,7 +416,11 @@ def _own_state(engine, shards: ShardSet, load_module_only: bool) -> dict:
     where = f"checkpoint {str(shards.path)!r}: file {shards.file_of(r)}"
     own = {k: obj[k] for k in ("counters", "precision", "rng", "plugins", "client_state")}
     if not load_module_only:
-        check_like(own["precision"], engine.precision.state_dict(), Fields(where), "precision")
+        like = engine.precision.state_dict()
+        if like and own["precision"]:
+            check_like(own["precision"], like, Fields(where), "precision")
+        else:       # another precision's state (fp32 keeps none): the engine keeps its own
+            own["precision"] = None
         if rank < shards.world_size:
             check_rng(own["rng"], Fields(where))
     return own
@@ -421,7 +433,8 @@ def _apply_own(engine, own: dict, load_module_only: bool, load_lr_scheduler_stat
         engine.skipped_steps = c["skipped_steps"]
         if load_lr_scheduler_states:
             engine.lr_step = c["lr_step"]
-        engine.precision.load_state_dict(own["precision"])
+        if own["precision"] is not None:
+            engine.precision.load_state_dict(own["precision"])
         if own_rng:
             set_rng_states(own["rng"])
         engine.hook.zeroplug_checkpoint_state_load(engine=engine, states=own["plugins"])

@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from zeroplug.errors import ZeroplugError, allocation_failure, memory_available
+from zeroplug.errors import ZeroplugError
+from zeroplug.observe.memory import allocation_failure, memory_available
 
 
 def _split_overrides(argv):
@@ -88,9 +89,11 @@ def cmd_convert(args, overrides) -> int:
     import json
 
     from zeroplug.convert import convert_text
-    from zeroplug.config import read_config_bytes
+    p = Path(args.file)
+    if not p.is_file():     # a FIFO or a device is never read
+        raise ZeroplugError(f"{args.file}: {'not a regular file' if p.exists() else 'no such file'}")
     try:
-        ds = json.loads(read_config_bytes(Path(args.file)))
+        ds = json.loads(p.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ZeroplugError(f"{args.file}: not valid JSON: {exc}") from None
     except RecursionError:

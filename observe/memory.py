@@ -84,3 +84,25 @@ def format_memory_report(report: dict, params: int) -> str:
     if report["host"]:
         line += "; host: " + " | ".join(f"{k} {v / div:.2f}" for k, v in report["host"].items())
     return line
+
+
+def allocation_failure(exc: BaseException) -> str | None:
+    """torch's one line that says how much host memory a failed allocation asked for (from
+    its multi-line ``RuntimeError``), else None when ``exc`` is not such a failure."""
+    text = str(exc)
+    at = text.find("DefaultCPUAllocator")
+    if at < 0:
+        return None
+    return text[at:].strip().splitlines()[0][:200]
+
+
+def memory_available() -> str:
+    """``; this host has N GiB available`` (MemAvailable), or "" where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for ln in f:
+                if ln.startswith("MemAvailable:"):
+                    return f"; this host has {int(ln.split()[1]) / 2**20:.1f} GiB available"
+    except (OSError, ValueError, IndexError):
+        pass
+    return ""

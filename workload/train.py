@@ -13,7 +13,8 @@ from pathlib import Path
 
 import zeroplug
 
-from zeroplug.errors import StepFailedError, ZeroplugError, allocation_failure, memory_available
+from zeroplug.errors import StepFailedError, ZeroplugError
+from zeroplug.observe.memory import allocation_failure, memory_available
 
 #: the packaged default configuration (what ``zeroplug train`` reads without --config or ./zero.toml)
 DEFAULT_CONFIG = Path(zeroplug.__file__).with_name("zero.toml")
@@ -77,11 +78,8 @@ def _read_config_file(path):
     p = Path(path)
     if p.is_dir():
         raise ZeroplugError(f"--config {str(p)!r} is a directory: pass a TOML file or a DeepSpeed JSON file")
-    try:
-        data = config_mod.read_config_bytes(p)      # a regular file (never blocks on a FIFO)
-    except ZeroplugError as exc:
-        raise ZeroplugError(f"--config: {exc}") from None
-    if data:
+    if p.is_file():     # not a FIFO or a device: read_file refuses those without reading
+        data = p.read_bytes()
         bad = [i for i in (data.find(b"\0"),) if i >= 0]
         try:
             data.decode("utf-8")
@@ -91,7 +89,10 @@ def _read_config_file(path):
             bad = min(bad)
             raise ZeroplugError(f"--config {str(p)!r} is not a text file (binary data at byte {bad}): pass a "
                                 f"TOML file or a DeepSpeed JSON file")
-    return config_mod.read_file(p)
+    try:
+        return config_mod.read_file(p)
+    except RecursionError:
+        raise ZeroplugError(f"--config {str(p)!r}: nested more deeply than a config can be") from None
 
 
 def _check_train_args(args) -> None:
