@@ -221,6 +221,6 @@ def plain_name(name) -> bool:
 
 # Note: the reading half lives in .loading; re-exported here, where callers have imported it from
 from .loading import (  # noqa: E402,F401
-    MAX_LATEST, MAX_MANIFEST, ShardSet, agree, load_error, newest_verified, open_checkpoint, open_tag, prune,
+    MAX_LATEST, MAX_MANIFEST, ShardSet, agree, newest_verified, open_checkpoint, open_tag, prune,
     read_latest, read_manifest, resolve, verify,
 )

@@ -14,6 +14,8 @@ from pathlib import Path
 from .files import (
     FORMAT, LATEST, MANIFEST, OLD_PREFIX, TMP_PREFIX, CheckpointError, manifest_checksum, plain_name,
 )
+from zeroplug.trust import torch_load_reason
+
 from .reading import ReadError, VerifiedFile, open_dir, open_regular, read_small
 
 MAX_LATEST = 4096
@@ -244,15 +246,15 @@ def verify(path: Path, manifest: dict, comm=None) -> None:
         raise CheckpointError(problems[0] + more)
 
 
-def load_error(exc: BaseException) -> str:
-    """One line for why ``torch.load`` refused a file (its own message runs over lines and
-    suggests ``weights_only=False``, which a checkpoint from elsewhere must never get)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    if any("weights only" in ln.lower() or "weights_only" in ln for ln in lines):
-        why = next((ln for ln in lines if any(w in ln.lower() for w in ("unsupported", "global", "unpickler"))
-                    and "weights_only" not in ln), None)
-        return "it holds something other than tensors and plain values" + (f" ({why[:160]})" if why else "")
-    return (lines[0] if lines else type(exc).__name__)[:200]
+def _allow_open_files(n: int) -> None:
+    """Raise this process's soft limit of open files to ``n`` where the hard limit allows."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < n:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 class ShardSet:
@@ -281,6 +283,7 @@ class ShardSet:
                 raise CheckpointError(f"checkpoint {str(self.path)!r} {exc}") from None
         self._dir = dir_fd
         self._files: dict[str, VerifiedFile] = {}
+        _allow_open_files(len(manifest["files"]) + 64)     # each verified file stays open until close()
         self._checked: set[str] = set()
         self._part_open: tuple[str, dict] | None = None     # the last part file asked for stays mapped
         self._open: tuple[int, dict] | None = None
@@ -304,7 +307,7 @@ class ShardSet:
         try:
             return vf.load()
         except Exception as exc:       # noqa: BLE001 - whatever torch says about a bad file: one line
-            raise CheckpointError(f"{self._where(name)} cannot be read: {load_error(exc)}") from None
+            raise CheckpointError(f"{self._where(name)} cannot be read: {torch_load_reason(exc)}") from None
 
     def piece_states(self, name: str, pc: dict) -> dict:
         """The piece of parameter ``name`` that holds ``pc``'s "master" / "optim" tensors:

@@ -132,8 +132,7 @@ class Payload:
 # name: (mutation of rank_00000.pt, what the one-line refusal says)
 RANK_MUTATIONS = {
     "pickle-payload": (_set(("client_state",), {"x": Payload()}),
-                       "rank_00000.pt cannot be read: it holds something other than tensors and plain values (Trying to "
-                       "load unsupported GLOBAL posix.getpid"),
+                       "rank_00000.pt cannot be read: it holds objects other than tensors and plain data"),
     "no-counters": (lambda o: o.pop("counters"), "field counters is missing"),
     "nan-counter": (_set(("counters", "global_step"), math.nan), "field counters.global_step = nan: not an integer"),
     "string-counter": (_set(("counters", "lr_step"), "abc"), "counters.lr_step = 'abc': not an integer"),
