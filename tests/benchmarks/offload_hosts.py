@@ -94,6 +94,7 @@ def run_one(row: str, engine: str, ranks: int, args, deadline: float, steps: int
         r = data["rows"][0]
         res.update(status="ok", device=data.get("gpu"), torch_threads=r.get("torch_threads"), times=r["times"],
                    init_s=r.get("init_s"), peak_gpu_gib=r.get("peak_gpu_gib"),
+                   full_gc_passes_s=r.get("full_gc_passes_s"),
                    **stats(r["times"], r["tokens_per_s_per_gpu"] * r["steady_step_s"]))
     except (OSError, ValueError, KeyError, IndexError):
         res.update(status=f"failed (exit {proc.returncode})", log_tail=text[-3000:])
