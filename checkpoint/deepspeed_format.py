@@ -357,9 +357,9 @@ class DeepSpeedShards:
 
 
 class DeepSpeedSource:
-    """A DeepSpeed checkpoint as fp32 tensors for :func:`zeroplug.checkpoint.fp32_export.write_state_dict`:
-    each parameter merged from the fp32 partitions of every rank, buffers as saved (floating
-    ones cast, as DeepSpeed's ``zero_to_fp32`` does). Rank files are mapped one at a time and
+    """A DeepSpeed checkpoint as tensors for :func:`zeroplug.checkpoint.fp32_export.write_state_dict`:
+    each parameter merged from the fp32 partitions of every rank (cast to ``dtype``; None: the
+    module's 16-bit dtype), buffers as saved (floating ones cast, as DeepSpeed's ``zero_to_fp32`` does). Rank files are mapped one at a time and
     let go after ``budget`` bytes read (default: the largest tensor's)."""
 
     def __init__(self, path, dtype: torch.dtype | None = torch.float32, budget: int | None = None):
@@ -382,8 +382,7 @@ class DeepSpeedSource:
                     continue            # an empty placeholder
                 out.append(Entry(key, ("extra", key), v.shape, out_dtype(v.dtype, self.dtype)))
             else:
-                out.append(Entry(key, ("param", name), self.ck.shapes[name],
-                                 out_dtype(self.ck.dtype, self.dtype) if self.dtype is not None else torch.float32))
+                out.append(Entry(key, ("param", name), self.ck.shapes[name], out_dtype(self.ck.dtype, self.dtype)))
         return out
 
     def _pieces(self, rank: int) -> dict:

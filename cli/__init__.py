@@ -28,7 +28,9 @@ def _split_overrides(argv):
 
 
 def cmd_export(args, overrides) -> int:
-    if args.dtype == "fp32" or args.format is not None or args.max_shard_size is not None:
+    from zeroplug.checkpoint.deepspeed_files import find_deepspeed_checkpoint
+    if (args.dtype == "fp32" or args.format is not None or args.max_shard_size is not None
+            or find_deepspeed_checkpoint(args.checkpoint, args.tag) is not None):
         from zeroplug.checkpoint.fp32_export import export_fp32, open_source, write_state_dict
         if args.dtype == "fp32":
             files = export_fp32(args.checkpoint, args.out, tag=args.tag, fmt=args.format,

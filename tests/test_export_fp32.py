@@ -120,6 +120,15 @@ def test_two_rank_stage3_checkpoint(tmp_path, model_and_ckpt):
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
 
 
+def test_deepspeed_checkpoint_in_its_model_dtype(model_and_ckpt, capsys):
+    """``zeroplug export`` of a DeepSpeed checkpoint without --dtype: the 16-bit weights."""
+    model, tmp = model_and_ckpt
+    assert main(["export", str(tmp / "ds"), str(tmp / "ds16.safetensors")]) == 0
+    sd = _load_any(tmp / "ds16.safetensors")
+    assert all(sd[k].dtype == torch.bfloat16 and torch.equal(sd[k], v.to(torch.bfloat16))
+               for k, v in model.state_dict().items())
+
+
 def test_bad_output_one_line(model_and_ckpt, capsys):
     _, tmp = model_and_ckpt
     assert main(["export", str(tmp / "zp"), str(tmp / "x.safetensors"), "--dtype", "fp32", "--format", "bin"]) == 2
