@@ -292,3 +292,29 @@ def test_zero_init_takes_deepspeeds_arguments():
     with pytest.raises(ConfigError, match="module=...") as e:
         Init(module=ToyNet())
     assert "\n" not in str(e.value)
+
+
+def test_returned_optimizer_zero_grad_and_a_scheduler_built_after_initialize():
+    """Scripts call ``optimizer.zero_grad()`` on what initialize returned (torch's own would drop
+    the fp32 masters' gradient views at stages 0-1 and crash the next step), and build a torch
+    scheduler on it after initialize, stepping it themselves: the engine trains with that lr."""
+    ref = plain_adamw_losses(lambda m: m.parameters(), 4, warm, clip=1e9)
+    torch.manual_seed(0)
+    model = ToyNet()
+    engine, opt, _, none = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(),
+        config=config(zero_optimization={"stage": 1},
+                      optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}))
+    assert none is None and isinstance(opt, torch.optim.Optimizer) and opt is engine.optimizer
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warm)
+    got = []
+    for x, y in batches(4, 4):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        sched.step()
+        opt.zero_grad()
+        got.append(loss.item())
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="stepped by the engine"):
+        opt.step()

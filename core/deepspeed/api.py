@@ -60,8 +60,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         log.warning("[zeroplug] deepspeed.initialize: the config's scheduler drives the lr; the lr_scheduler "
                     "passed is not used (as in DeepSpeed)")
         lr_scheduler = None
-    if lr_scheduler is not None:
-        overrides.append(("scheduler", {"plugin": "none"}))     # replaced by the script's below
+    if lr_scheduler is not None or ds is None:
+        # replaced by the script's below; no config: no schedule, as DeepSpeed has none by default
+        overrides.append(("scheduler", {"plugin": "none"}))
     import zeroplug
     engine = zeroplug.initialize(model, ds, overrides, model_parameters=groups)
     returned = None
@@ -71,6 +72,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             else lr_scheduler(engine.optimizer)
         bound = getattr(returned, "optimizer", None) or client_opt or engine.optimizer
         engine.use_schedule(ClientSchedule(returned, bound, engine.config.slot("optimizer").options.lr))
+    elif not config_schedules:
+        # Note: no schedule: the lr is what the optimizer's groups hold, so that a torch scheduler
+        # the script builds on the returned optimizer and steps itself sets it (as with DeepSpeed)
+        engine.use_schedule(ClientSchedule(None, engine.optimizer, engine.config.slot("optimizer").options.lr))
     ds_engine = DeepSpeedEngine(engine, returned)
     if returned is None and config_schedules:
         returned = ScheduleView(engine)
@@ -79,7 +84,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         drop_last = bool(ds.get("dataloader_drop_last", False)) if isinstance(ds, dict) else False
         loader = EpochLoader(training_data, engine.micro_batch_size, engine.run.world_size, engine.run.rank,
                              collate_fn, drop_last)
-    return ds_engine, engine.optimizer, loader, returned
+    return ds_engine, ds_engine.optimizer, loader, returned
 
 
 def _deepspeed_dict(ds) -> bool:

@@ -77,8 +77,8 @@ def optimizer_groups(optimizer) -> list[dict]:
 
 
 class ClientSchedule:
-    """A torch LR scheduler over the script's own optimizer, driving the engine's lr: the
-    engine's schedule (``lr_at``) follows the scheduler's first parameter group, and every
+    """The engine's lr from a torch optimizer's groups (the script's own, which its scheduler
+    sets, or the engine's): the schedule (``lr_at``) follows the first group's lr, and every
     group keeps its lr in proportion (as torch's schedulers do with one lambda)."""
 
     def __init__(self, scheduler, optimizer, base_lr: float):

@@ -11,6 +11,8 @@ import torch
 from zeroplug.engine import Engine
 from zeroplug.launch import local_rank
 
+from .optimizer import EngineOptimizer
+
 log = logging.getLogger("zeroplug")
 
 # client_state key of the script's own LR scheduler (a torch scheduler's state_dict)
@@ -27,6 +29,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = engine.module
         self.__dict__["zeroplug_engine"] = engine
         self.__dict__["client_lr_scheduler"] = client_scheduler
+        self.__dict__["engine_optimizer"] = EngineOptimizer(engine)
 
     def __getattr__(self, name: str):
         try:
@@ -58,6 +61,8 @@ class DeepSpeedEngine(torch.nn.Module):
         e = self.zeroplug_engine
         taken = e.lr_step
         e.step()
+        if e.lr_step > taken:
+            self.optimizer.stepped()
         if self.client_lr_scheduler is not None and e.lr_step > taken:
             with warnings.catch_warnings():
                 # Note: the script's optimizer is never stepped itself (the engine's is), which
@@ -87,8 +92,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # -- what DeepSpeed's engine reports ------------------------------------------------------
     @property
-    def optimizer(self):
-        return self.zeroplug_engine.optimizer
+    def optimizer(self) -> EngineOptimizer:
+        return self.__dict__["engine_optimizer"]
 
     @property
     def lr_scheduler(self):

@@ -35,8 +35,11 @@ SURFACE: list[tuple[str, str, str, str]] = [
     ("DeepSpeedEngine.zero_grad", "Engine.zero_grad", SUPPORTED, "gradients are zeroed after every step anyway"),
     ("DeepSpeedEngine.train / eval", "nn.Module.train", SUPPORTED, ""),
     ("DeepSpeedEngine.module", "the model", SUPPORTED, ""),
-    ("DeepSpeedEngine.optimizer", "Engine.optimizer", SUPPORTED, "the torch optimizer over this rank's fp32 "
-     "master shards"),
+    ("DeepSpeedEngine.optimizer", "zeroplug.deepspeed.optimizer.EngineOptimizer", SUPPORTED,
+     "what `initialize` returns as the optimizer: the engine's torch optimizer over this rank's fp32 master "
+     "shards (`param_groups`, `state`, `state_dict`); `zero_grad()` is the engine's, `step()` refused (the "
+     "engine steps). Without a schedule in the config or passed in, the engine trains with the lr its groups "
+     "hold, so a torch scheduler built on it after `initialize` and stepped by the script sets the lr"),
     ("DeepSpeedEngine.lr_scheduler", "the script's scheduler", SUPPORTED, "None when the script passed none"),
     ("DeepSpeedEngine.local_rank", "LOCAL_RANK", SUPPORTED, ""),
     ("DeepSpeedEngine.device", "Engine.run.device", SUPPORTED, ""),
