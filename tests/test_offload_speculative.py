@@ -152,6 +152,17 @@ def test_jobs_not_begun_are_dropped(stage):
     _same(plain, spec)
 
 
+def test_no_copy_where_host_memory_runs_short(monkeypatch):
+    """A sub-group's copy is allocated at its first speculative step only while HOST_RESERVE
+    stays available; short of that, it steps at the step (no speculation, same values)."""
+    from zeroplug.plugins.offload_cpu import speculative
+    plain = _train(_cfg("stage2", False))
+    monkeypatch.setattr(speculative, "HOST_RESERVE", 1 << 60)
+    spec = _train(_cfg("stage2", True))
+    _same(plain, spec)
+    assert spec["spec"] == (0, 0, 0, 0)
+
+
 def test_forward_before_the_step_sees_no_speculation():
     """A no-grad forward between a boundary backward and its step reads the parameters of
     the last step, not speculated ones (the speculation is undone, then redone by the step)."""

@@ -106,12 +106,8 @@ class HostTier(OffloadTier):
         # the delayed update: a second gradient buffer and the step's model-dtype copy
         delayed = gb + torch.finfo(layout.param_dtype).bits // 8 if self.delayed_warmup() is not None else 0
         extra = f" + delayed update {delayed}" if delayed else ""
-        # the speculative step: a copy of master and states (an upper bound: the GPU lane's
-        # sub-groups take none)
-        spec = 12 if self.delayed_warmup() is None and self.speculative_mode(layout.device) else 0
-        extra += f" + speculative step copy {spec}" if spec else ""
-        self.check_memory((12 + gb + delayed + spec) * total, f"{total:,} fp32 master elements: master 4 + "
-                                                              f"gradient {gb} + optimizer states 8{extra} bytes each")
+        self.check_memory((12 + gb + delayed) * total, f"{total:,} fp32 master elements: master 4 + gradient "
+                                                       f"{gb} + optimizer states 8{extra} bytes each")
         self.master_flat = self.empty(total, torch.float32)
         self.grad_flat = self.empty(total, gdt)
         self.grad_flat.zero_()
@@ -225,9 +221,9 @@ class HostTier(OffloadTier):
         # sub_group_size 1e9) touches every page, which does not belong in a training step.
         if fused and any(self.lp_on_device(*self.ranges[k]) for k in on_host):
             self._host_ring()
-        self._prepare_speculation(optimizer, fused, on_host)
+        self._prepare_speculation(optimizer, fused)
 
-    def _prepare_speculation(self, optimizer, fused: bool, on_host: list[int]) -> None:
+    def _prepare_speculation(self, optimizer, fused: bool) -> None:
         mode = self.speculative_mode(self.train_device)
         if not mode:
             return
@@ -242,7 +238,6 @@ class HostTier(OffloadTier):
                 self.speculation_refused(why)
             return
         self.speculation = Speculation(self, mode)
-        self.speculation.prepare(optimizer, on_host)
 
     # -- the speculative step (speculative.py) ----------------------------------------------
     def speculate(self, optimizer, loss_scale) -> bool:

@@ -27,8 +27,10 @@ every value equals the non-speculative path's bit for bit.
 
 Cost: the copy (master + states, 12 bytes per element for Adam) is read and written once
 before each speculative sub-group step, which runs during the backward, off the critical
-path; host memory holds one copy per element that can speculate (allocated in
-``initialize``). A rollback restores it (on the critical path) and redoes the step.
+path. Host memory holds one copy per sub-group that has stepped speculatively at least
+once (allocated then, and only while ``HOST_RESERVE`` stays available): the sub-groups
+the worker reaches before the step validates, usually those whose step fits in the
+backward. A rollback restores the copies (on the critical path) and redoes the steps.
 Sub-groups the worker has not begun when the step validates take no copy.
 
 "auto" speculates only on a GPU (on a CPU the backward and the step share the cores) and
@@ -43,8 +45,12 @@ from collections import Counter, deque
 
 import torch
 
+from zeroplug.observe.memory import host_available_bytes
+
 #: "auto" speculates after this many steps in a row that neither clipped nor overflowed
 AUTO_CLEAN_STEPS = 4
+#: host memory left available when a sub-group's copy is allocated (else it does not speculate)
+HOST_RESERVE = 2 << 30
 
 
 def step_multiplier(factor: float) -> float:
@@ -126,12 +132,6 @@ class Speculation:
             return True
         return len(self.history) == AUTO_CLEAN_STEPS and all(self.history)
 
-    def prepare(self, optimizer, groups) -> None:
-        """Allocate the copies of ``groups`` (inside ``initialize``: none in a step)."""
-        for k in groups:
-            b = self.backups.setdefault(k, Backup())
-            b.save(self.tier.masters[k], optimizer.state[self.tier.masters[k]])
-
     def host_bytes(self) -> int:
         return sum(b.nbytes() for b in self.backups.values())
 
@@ -163,15 +163,23 @@ class Speculation:
         w.futures.append(self.tier.step_worker().submit(self._job, w, k, after))
 
     def _job(self, w: Window, k: int, after) -> None:
+        tier = self.tier
+        master = tier.masters[k]
+        state = w.optimizer.state[master]
+        if k not in self.backups:
+            # Note: a copy is allocated when its sub-group first steps speculatively (during a
+            # backward, off the critical path): only the sub-groups the worker reaches before
+            # the step hold one. Where host memory would run short, k steps at the step instead.
+            need = sum(t.numel() * t.element_size() for t in [master, *state.values()] if torch.is_tensor(t))
+            if host_available_bytes() < need + HOST_RESERVE:
+                return
         with w.lock:
             if w.closed:
                 return
             w.begun.append(k)
         if after is not None:
             after.synchronize()             # its gradient is in host memory
-        tier = self.tier
-        master = tier.masters[k]
-        self.backups.setdefault(k, Backup()).save(master, w.optimizer.state[master])
+        self.backups.setdefault(k, Backup()).save(master, state)
         ev = tier.step_sub_group(w.optimizer, k, w.multiplier, tier.overlap_threads())
         if ev is not None:
             w.uploads[k] = ev
