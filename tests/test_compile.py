@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
 from toy import batches
@@ -45,8 +46,9 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, vocab=37, d=24, hidden=50):
+    def __init__(self, vocab=37, d=24, hidden=50, checkpointing=False):
         super().__init__()
+        self.checkpointing = checkpointing      # activation checkpointing of every block
         self.emb = torch.nn.Embedding(vocab, d)
         self.blocks = torch.nn.ModuleList(Block(d, hidden) for _ in range(2))
         self.norm = torch.nn.LayerNorm(d)
@@ -55,7 +57,7 @@ class Net(torch.nn.Module):
     def forward(self, x, y):
         h = self.emb(x)
         for b in self.blocks:
-            h = b(h)
+            h = checkpoint(b, h, use_reentrant=False) if self.checkpointing else b(h)
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
@@ -81,13 +83,15 @@ def _config(stage, world, variant=None):
 def _train(rank, world, config, how, dynamic=None):
     """Losses and the consolidated parameters of STEPS steps. ``how``: eager; whole
     (``torch.compile(model)`` handed to ``initialize``); inplace (``model.compile()`` after
-    ``initialize``); block (``block.compile()`` on each block after ``initialize``)."""
+    ``initialize``); block (``block.compile()`` on each block after ``initialize``); a
+    ``-ckpt`` suffix checkpoints every block's activations."""
     import zeroplug
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Net()
+    how, ckpt = how.removesuffix("-ckpt"), how.endswith("-ckpt")
+    model = Net(checkpointing=ckpt)
     engine = zeroplug.initialize(torch.compile(model, dynamic=dynamic) if how == "whole" else model, config)
     if how == "inplace":
         model.compile(dynamic=dynamic)
@@ -106,7 +110,10 @@ def _train(rank, world, config, how, dynamic=None):
     state = engine.consolidated_state_dict()
     if state is not None:       # (torch.compile's wrapper names the model _orig_mod)
         state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-    graphs = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+    from zeroplug.plugins.zero.stage3 import eager
+    hook_code = eager(lambda: None).__code__        # (one code object for every stage-3 hook)
+    graphs = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+              "hook_frames": len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(hook_code))}
     return losses, state, graphs
 
 
@@ -116,7 +123,8 @@ CASES = {
     1: [("stage1-whole", 1, None, "whole", None),
         ("stage2-block", 2, None, "block", None),
         ("stage3-whole-offload-param", 3, "param", "whole", None),
-        ("stage3-block-offload-param", 3, "param", "block", None)],
+        ("stage3-block-offload-param", 3, "param", "block", None),
+        ("stage3-whole-ckpt-offload-param", 3, "param", "whole-ckpt", None)],
     2: [("stage1-whole", 1, None, "whole", None),
         ("stage2-inplace-offload", 2, "optimizer", "inplace", None),
         ("stage3-whole", 3, None, "whole", None),
@@ -149,6 +157,9 @@ def two_ranks():
 def _compare(name, res):
     (eager_losses, eager_state, _), (losses, state, graphs) = res["eager"], res["compiled"]
     assert graphs["graphs"] >= 1, f"{name}: nothing was compiled"
+    # the hooks are never compiled themselves (reached from torch.nn's skipped frames under
+    # checkpointing, Dynamo would compile them, recompiling up to its limit)
+    assert graphs["hook_frames"] == 0, f"{name}: {graphs['hook_frames']} compiled frames of the hooks"
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, eager_losses))
     assert worst <= LOSS_RTOL, f"{name}: losses differ by {worst:.3g}\n{losses}\n{eager_losses}"
     assert eager_losses[-1] < eager_losses[0], "the run must train"

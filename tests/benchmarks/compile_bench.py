@@ -96,6 +96,9 @@ def run_table(args, device) -> None:
     if rank == 0:
         print(f"# {args.model}, {size} GPU(s) ({torch.cuda.get_device_name(device)}), torch {torch.__version__}, "
               f"micro batch {MICRO_BATCH}, seq {SEQ}, {args.steps} steps after {args.warmup} warm-up", flush=True)
+        fast = hasattr(getattr(torch._C, "_dynamo", None) and torch._C._dynamo.eval_frame, "get_eval_frame_callback")
+        print(f"# stage-3 hooks in eager mode: {'called directly' if fast else 'through torch._dynamo.disable'}",
+              flush=True)
     out = []
     for label in rows:
         r = row(label, args.model, device, args.steps, args.warmup)
