@@ -441,6 +441,12 @@ def load_deepspeed_checkpoint(engine, load_dir, tag=None, load_optimizer_states:
     comm = engine.run.comm
     ck = DeepSpeedCheckpoint(path)
     want_opt = load_optimizer_states and not load_module_only
+    # Note: every rank file is read and its layout checked before the engine changes, so a
+    # broken checkpoint is refused with the engine's states as they were.
+    info = [ck.rank_pieces(r, want_opt)[1] for r in range(ck.world)]
+    if want_opt and any(i["keys"] and i["step"] is None for i in info):
+        raise CheckpointError(f"{path}: the optimizer state has no step count")
+    del info
     shards = DeepSpeedShards(ck, optim=want_opt)
     engine.partitioner.release_all()
     engine.partitioner.load_checkpoint_state(shards, optimizer=engine.optimizer, load_master=not load_module_only,

@@ -305,6 +305,23 @@ def test_incomplete_checkpoint_refused(tmp_path, reference):
         engine.load_checkpoint(tmp_path)
 
 
+def test_broken_rank_file_leaves_the_engine_as_it_was(tmp_path, reference):
+    model, opt, _ = reference
+    d = write_deepspeed_checkpoint(tmp_path, model, opt, 2, 3)
+    f = d / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    from deepspeed_ckpt import deepspeed_names
+    with deepspeed_names():         # the test's own file, rewritten with its stand-in classes
+        sd = torch.load(f, weights_only=False)
+        sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] = torch.zeros(5)     # a wrong size
+        torch.save(sd, f)
+    engine = zeroplug.initialize(ToyNet(), config(2, 1))
+    before = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    with pytest.raises(CheckpointError, match="zero_pp_rank_2.*fp32 partition has 5 elements"):
+        engine.load_checkpoint(tmp_path)
+    after = engine.consolidated_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_cli_error_line(tmp_path, reference, capsys):
     from zeroplug.cli import main
     model, opt, _ = reference
