@@ -81,6 +81,8 @@ def test_candidates_budget_and_tie():
     assert cpu_plan.budget(2, {"copy": 2}, loop=1) == 1
     assert cpu_plan.pick({16: 10.0, 12: 9.8, 8: 9.75, 4: 6.0}) == 8    # within 3% of the best: fewer
     assert cpu_plan.pick({16: 10.0, 8: 9.0}) == 16
+    # slots (the ranks' agreed rates) with their thread counts: the fewest threads near the best
+    assert cpu_plan.pick({0: 10.0, 1: 9.9, 2: 7.0}, order=[15, 11, 8]) == 1
 
 
 def test_plan_line():
@@ -216,6 +218,7 @@ def test_two_ranks_split_the_cores(tmp_path):
     res = run_ranks(_ranks_plan, 2, str(tmp_path))
     a, b = res[0][0], res[1][0]
     assert a and b and not set(a) & set(b) and set(a) | set(b) == set(cpus)
+    assert res[0][1] == res[1][1]          # one thread count: a step waits for its slowest rank
     for rank, (aff, threads, log) in enumerate(res):
         plural = "s" if threads != 1 else ""
         assert f"cpu plan: rank {rank} cores {format_cpulist(aff)}, {threads} optimizer thread{plural}, measured" in log

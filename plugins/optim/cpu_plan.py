@@ -195,10 +195,12 @@ def candidates(most: int) -> list[int]:
     return [max(1, round(most * f)) for f in FRACTIONS]
 
 
-def pick(rates: dict) -> int:
-    """The smallest thread count within :data:`TIE` of the best rate."""
+def pick(rates: dict, order=None) -> int:
+    """The smallest thread count within :data:`TIE` of the best rate; with ``order`` the keys
+    are slots and ``order[slot]`` their thread counts (the slot with the fewest threads wins)."""
     best = max(rates.values())
-    return min(t for t, r in rates.items() if r >= best * (1 - TIE))
+    near = [k for k, r in rates.items() if r >= best * (1 - TIE)]
+    return min(near, key=(lambda k: (order[k], k)) if order is not None else None)
 
 
 def default_elements() -> int:
@@ -368,16 +370,27 @@ def finish(run, mode: str, binding: Binding | None, explicit: int, workers: dict
         if found is None:
             return _apply(Plan(run.rank, binding.cpus, most, workers, "bind", None, warnings))
         return _apply(Plan(run.rank, binding.cpus, found["threads"], workers, "cached", found.get("rate"), warnings))
-    if not binding.cpus:
+    counts = candidates(most)
+    if binding.cpus:
+        rates, error = calibrate(counts, run.comm.barrier, grad_dtype, lp_dtype, single_pass=single_pass)
+    else:
         for _ in FRACTIONS:
             run.comm.barrier()
+        rates, error = {}, None
+    # Note: a synchronous step waits for its slowest rank, so the ranks agree on one slot of
+    # FRACTIONS: the one whose slowest rank is fastest (a rank without a measurement has no say).
+    slots = [rates.get(t, 0.0) if rates and not error else math.inf for t in counts]
+    if run.comm.distributed:
+        import torch.distributed as dist
+        slots = [run.comm.all_reduce_scalar(r, op=dist.ReduceOp.MIN) for r in slots]
+    if not binding.cpus:
         return _apply(Plan(run.rank, binding.cpus, most, workers, "bind", None, warnings))
-    rates, error = calibrate(candidates(most), run.comm.barrier, grad_dtype, lp_dtype, single_pass=single_pass)
     if error or not rates:
         warnings.append(f"cpu plan: the thread count could not be measured ({error or 'no result'}): "
                         f"using {most} threads (the set's cores less the workers')")
         return _apply(Plan(run.rank, binding.cpus, most, workers, "bind", None, warnings))
-    threads = pick(rates)
+    slot = pick(dict(enumerate(slots)), order=counts)
+    threads = counts[slot]
     why = cache.store(key, {"threads": threads, "rate": rates[threads],
                             "rates": {str(t): r for t, r in sorted(rates.items())}})
     if why:
