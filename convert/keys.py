@@ -54,6 +54,8 @@ _LOG = "logging and profiling only; zeroplug reports through [monitor] (stdout, 
 _SPEED = "a speed or memory knob of DeepSpeed's implementation; the values trained are the same"
 _STAGE3_ALIAS = "DeepSpeed's field name for stage3_{}"
 _NOTHING_TO_DO = "zeroplug already behaves so"
+_LEAF_BY_NAME = ("leaf modules by module name: zeroplug takes their classes (zero.stage3_leaf_modules) and finds "
+                 "blocks holding a ModuleList named 'experts' itself")
 
 RULES: dict[str, Rule] = {
     # --- batch and logging ------------------------------------------------------------
@@ -270,7 +272,12 @@ RULES: dict[str, Rule] = {
     "zero_optimization.log_trace_cache_warnings": ignored("logging only"),
     "zero_optimization.enable_sanity_checks": ignored("debugging only"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": ignored("Muon only (not a zeroplug optimizer)"),
-    "zero_optimization.leaf_module": ignored(_SPEED),
+    "zero_optimization.leaf_module": moved("[zero]", "leaf modules, gathered whole at stage 3"),
+    "zero_optimization.leaf_module.classes": moved(
+        "zero.stage3_leaf_modules", "class names, or dotted module.Class paths; blocks holding a ModuleList "
+                                    "named 'experts' are leaves without it"),
+    "zero_optimization.leaf_module.names": ignored(_LEAF_BY_NAME, quiet=OFF),
+    "zero_optimization.leaf_module.name_suffixes": ignored(_LEAF_BY_NAME, quiet=OFF),
     "zero_optimization.zenflow": refused("ZenFlow applies unimportant gradients late (stale updates); "
                                          "zeroplug updates every parameter every step: remove it",
                                          quiet=(None,)),

@@ -239,3 +239,18 @@ def test_set_leaf_modules_marks_and_unmarks():
 def test_unknown_leaf_class_is_a_config_error():
     with pytest.raises(zeroplug.ConfigError, match="stage3_leaf_modules names 'Nope'.*MoE"):
         zeroplug.initialize(MoENet(), _config(3, stage3_leaf_modules=["Nope"]))
+
+
+def test_leaf_classes_by_dotted_path_and_from_a_deepspeed_config():
+    """A dotted ``package.module.Class`` path names a class too, as DeepSpeed's
+    ``zero_optimization.leaf_module.classes`` give them (translated to stage3_leaf_modules)."""
+    dotted = f"{MoE.__module__}.{MoE.__qualname__}"
+    model = MoENet("ffns")
+    engine = zeroplug.initialize(model, _config(3, stage3_leaf_modules=[dotted]))
+    assert engine.partitioner.leaves == set(model.moe)
+    model = MoENet("ffns")
+    ds = {"train_micro_batch_size_per_gpu": PER_RANK, "zero_optimization": {
+        "stage": 3, "leaf_module": {"classes": [dotted], "names": []}}}
+    engine = zeroplug.initialize(model, ds)
+    assert engine.partitioner.leaves == set(model.moe)
+    assert engine.config.raw["zero"]["stage3_leaf_modules"] == [dotted]

@@ -18,13 +18,19 @@ import torch
 _MARK = "_zp_leaf"
 
 
+def class_names(module: torch.nn.Module) -> tuple[str, str]:
+    """The names a leaf declaration may give ``module``'s class: ``Name`` and ``package.module.Name``."""
+    cls = type(module)
+    return cls.__name__, f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _matches(module: torch.nn.Module, kinds) -> bool:
-    return any(type(module).__name__ == k if isinstance(k, str) else isinstance(module, k) for k in kinds)
+    return any(k in class_names(module) if isinstance(k, str) else isinstance(module, k) for k in kinds)
 
 
 def set_leaf_modules(model: torch.nn.Module, leaf_modules, raise_if_not_found: bool = True) -> list:
-    """Mark every module of ``model`` whose class is in ``leaf_modules`` (classes or class
-    names) as a leaf; returns the marked modules. Call it before ``zeroplug.initialize``.
+    """Mark every module of ``model`` whose class is in ``leaf_modules`` (classes, class
+    names or dotted ``package.module.Class`` paths) as a leaf; returns the marked modules. Call it before ``zeroplug.initialize``.
     Raises ValueError when nothing matches (unless ``raise_if_not_found`` is false)."""
     kinds = list(leaf_modules)
     found = [m for m in model.modules() if _matches(m, kinds)]

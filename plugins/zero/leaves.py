@@ -5,24 +5,25 @@ from __future__ import annotations
 import torch
 
 from zeroplug.errors import ConfigError
-from zeroplug.leaf import holds_experts, is_leaf_module
+from zeroplug.leaf import class_names, holds_experts, is_leaf_module
 
 
 def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
     """The outermost leaf modules of ``module``: marked by ``zeroplug.set_leaf_modules``,
     named in ``stage3_leaf_modules``, or (``stage3_auto_leaf_modules``) holding experts."""
     declared = set(options.stage3_leaf_modules)
-    classes = {type(m).__name__ for m in module.modules()}
-    missing = sorted(declared - classes)
+    names = {n for m in module.modules() for n in class_names(m)}
+    missing = sorted(declared - names)
     if missing:
+        classes = sorted({type(m).__name__ for m in module.modules()})
         raise ConfigError(f"zero.stage3_leaf_modules names {', '.join(map(repr, missing))}, but the model has "
-                          f"no module of that class; its classes are: {', '.join(sorted(classes))}",
+                          f"no module of that class; its classes are: {', '.join(classes)}",
                           key="zero.stage3_leaf_modules")
     leaves, inside = [], set()
     for m in module.modules():
         if id(m) in inside:
             continue
-        if is_leaf_module(m) or type(m).__name__ in declared or (
+        if is_leaf_module(m) or declared.intersection(class_names(m)) or (
                 options.stage3_auto_leaf_modules and holds_experts(m)):
             leaves.append(m)
             inside.update(id(c) for c in m.modules())

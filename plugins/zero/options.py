@@ -51,10 +51,10 @@ class ZeroOptions:
                "gathered without a cast; false gathers the fp32 master, cast into the gather buffer "
                "(on one rank a cast on the compute stream: nothing prefetched or kept for reuse).")
     stage3_leaf_modules: tuple[str, ...] = opt(
-        (), "Stage 3: class names of leaf modules, gathered as one unit with every module inside them "
-            "in the leaf's own forward, on every rank (a mixture-of-experts block whose experts run "
-            "only when tokens route to them); as zeroplug.set_leaf_modules(model, [cls]) and "
-            "DeepSpeed's set_z3_leaf_modules.")
+        (), "Stage 3: class names (or dotted package.module.Class paths) of leaf modules, gathered as "
+            "one unit with every module inside them in the leaf's own forward, on every rank (a "
+            "mixture-of-experts block whose experts run only when tokens route to them); as "
+            "zeroplug.set_leaf_modules(model, [cls]) and DeepSpeed's set_z3_leaf_modules.")
     stage3_auto_leaf_modules: bool = opt(
         True, "Stage 3: a module holding a ModuleList or ModuleDict named like 'experts' is a leaf "
               "module (see stage3_leaf_modules); false gathers each expert on its own, which hangs "

@@ -1,7 +1,7 @@
 """torch.compile under zeroplug stage 3 beside FSDP2 compiled the same way, and the
 mixture-of-experts check (experts idle on some ranks), on several GPUs.
 
-    torchrun --nproc-per-node 4 tests/benchmarks/compile_bench.py table [--model 1.3B] [--steps 10]
+    torchrun --nproc-per-node 4 tests/benchmarks/compile_bench.py table [--model 1.3B] [--steps 10] [--rows fsdp2,stage3]
     torchrun --nproc-per-node 4 tests/benchmarks/compile_bench.py moe
 
 ``table``: the reference workload (shared/WORKLOAD.md: micro batch 8 per GPU, sequence
@@ -17,6 +17,10 @@ compile), peak = ``torch.cuda.max_memory_allocated()`` (max over ranks), min / m
 routes to them) where rank r's tokens route only to its own two experts, trained at stage
 3 (and stage 2) in fp32 with NCCL, against torch AdamW on the concatenated batch computed
 on every rank; prints the worst loss and parameter differences and PASS / FAIL.
+
+Without CUDA both run on the CPU (gloo) as a smoke test of the code paths, e.g.
+``MEMORY_FLOOR_SEQ=64 torchrun --nproc-per-node 2 tests/benchmarks/compile_bench.py table
+--model char-tiny --steps 1 --warmup 1``.
 """
 from __future__ import annotations
 
@@ -33,8 +37,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from memory_floor import MICRO_BATCH, SEQ, setup_distributed, world, zeroplug_config  # noqa: E402
 
 GiB = 1024 ** 3
-ROWS = ["fsdp2", "fsdp2 compiled per block", "zeroplug stage3", "zeroplug stage3 compiled per block",
-        "zeroplug stage3 compiled whole", "zeroplug stage3 Block leaf", "zeroplug stage3 Block leaf compiled per block"]
+ROWS = {   # --rows key -> label
+    "fsdp2": "fsdp2", "fsdp2-compiled": "fsdp2 compiled per block",
+    "stage3": "zeroplug stage3", "stage3-compiled": "zeroplug stage3 compiled per block",
+    "stage3-whole": "zeroplug stage3 compiled whole",
+    "stage3-leaf": "zeroplug stage3 Block leaf", "stage3-leaf-compiled": "zeroplug stage3 Block leaf compiled per block",
+}
 
 
 def compile_blocks(model) -> None:
@@ -57,7 +65,9 @@ def row(label: str, model_name: str, device, steps: int, warmup: int) -> dict:
 
     torch._dynamo.reset()
     release(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     zero = {"plugin": "stage3"}
     if "Block leaf" in label:       # each block one unit (FSDP2's per-block fully_shard): one graph
         zero["stage3_leaf_modules"] = ["Block"]
@@ -80,7 +90,7 @@ def row(label: str, model_name: str, device, steps: int, warmup: int) -> dict:
             times.append(time.perf_counter() - t0)
     runner.close()
     del runner
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device)], device=device)
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], device=device)
     if world()[1] > 1:
         import torch.distributed as dist
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -92,9 +102,14 @@ def row(label: str, model_name: str, device, steps: int, warmup: int) -> dict:
 
 def run_table(args, device) -> None:
     rank, size = world()
-    rows = [r for r in ROWS if not args.rows or any(w.strip() in r for w in args.rows.split(","))]
+    keys = [k.strip() for k in args.rows.split(",")] if args.rows else list(ROWS)
+    unknown = [k for k in keys if k not in ROWS]
+    if unknown:
+        raise SystemExit(f"error: --rows {','.join(unknown)}: the rows are {', '.join(ROWS)}")
+    rows = [ROWS[k] for k in keys]
     if rank == 0:
-        print(f"# {args.model}, {size} GPU(s) ({torch.cuda.get_device_name(device)}), torch {torch.__version__}, "
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(f"# {args.model}, {size} rank(s) ({name}), torch {torch.__version__}, "
               f"micro batch {MICRO_BATCH}, seq {SEQ}, {args.steps} steps after {args.warmup} warm-up", flush=True)
         fast = hasattr(getattr(torch._C, "_dynamo", None) and torch._C._dynamo.eval_frame, "get_eval_frame_callback")
         print(f"# stage-3 hooks in eager mode: {'called directly' if fast else 'through torch._dynamo.disable'}",
@@ -104,7 +119,7 @@ def run_table(args, device) -> None:
         r = row(label, args.model, device, args.steps, args.warmup)
         out.append(r)
         if rank == 0:
-            print(f"{label:<40} {r['tokens_per_s'] / 1e3:8.1f}k tok/s/GPU  step {r['step_s'] * 1e3:7.1f} ms "
+            print(f"{label:<46} {r['tokens_per_s'] / 1e3:8.1f}k tok/s/GPU  step {r['step_s'] * 1e3:7.1f} ms "
                   f"(min {r['min_s'] * 1e3:.1f}, max {r['max_s'] * 1e3:.1f})  first {r['first_s']:.1f} s  "
                   f"peak {r['peak_gib']:6.2f} GiB  loss {r['loss']:.4f}", flush=True)
     if rank == 0:
@@ -229,12 +244,12 @@ def main() -> int:
     ap.add_argument("--model", default="1.3B")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rows", default=None, help="labels to run, comma-separated substrings (default all)")
+    ap.add_argument("--rows", default=None, help="rows to run, comma-separated: " + ", ".join(ROWS) + " (default all)")
     args = ap.parse_args()
     device = setup_distributed()
-    if device.type != "cuda":
-        print("error: compile_bench.py needs CUDA", file=sys.stderr)
-        return 2
+    if device.type != "cuda" and world()[1] > 1:      # a CPU smoke run of the code paths
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
     if args.what == "moe":
         return run_moe(args, device)
     run_table(args, device)
