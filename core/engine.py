@@ -154,6 +154,7 @@ class Engine:
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         self.metrics.backward(loss)
         self.partitioner.before_backward()
+        self._lr_kept = self.get_lr()       # the lr a skipped step keeps (a speculation sets the next)
         if self.run.at_boundary and self.offload_optimizer.speculate(self.optimizer, self.precision.loss_scale):
             self._set_lr(self.scheduler.lr_at(self.lr_step))     # the step's: its tier may start it now
         self.precision.scale_loss(scaled).backward(retain_graph=retain_graph)
@@ -188,9 +189,10 @@ class Engine:
         overflow = not math.isfinite(norm)
         self.precision.update(overflow)
         lr = self.scheduler.lr_at(self.lr_step)
-        self._set_lr(self.scheduler.lr_at(max(self.lr_step - overflow, 0)))   # skipped: the last step's again
         if overflow:
             self.skipped_steps += 1
+            for g, kept in zip(self.optimizer.param_groups, self._lr_kept):
+                g["lr"] = kept
             if self.run.rank == 0:
                 log.warning("[zeroplug] OVERFLOW! Rank 0 Skipping step %d. Attempted loss scale: %g, "
                             "reducing to %g", self.global_step + 1, scale, self.precision.loss_scale)
@@ -199,6 +201,7 @@ class Engine:
             clip = self.config.batch.gradient_clipping
             if clip > 0 and norm > clip:
                 factor *= clip / (norm + 1e-6)
+            self._set_lr(lr)
             if factor != 1.0 and takes_grad_scale(self.optimizer):
                 # Note: torch's fused Adam/AdamW/SGD (and cpu_adam) divide each gradient by
                 # grad_scale inside their one pass; that saves a read and a write of every

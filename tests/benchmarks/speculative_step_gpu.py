@@ -1,7 +1,8 @@
 """The speculative step on a GPU: step time with ``speculative_step`` false against true.
 
 Runs DeepSpeed's JSON of each row (tests/benchmarks/deepspeed_configs/, the reference
-workload's 1.3B GPT) once per variant, each in a fresh process, ``--steps`` steps each,
+workload's 1.3B GPT) once per variant, a fresh engine each (one after the other in this
+process), ``--steps`` steps each,
 and prints per row and variant: the median, min and max step (forward + backward + step,
 synchronised), tokens/s per GPU, the ratio to the row's ``false`` variant, and the tier's
 counters (steps speculated and kept, sub-groups kept, rollbacks) with the grad norms seen.
