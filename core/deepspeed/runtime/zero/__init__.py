@@ -1,1 +1,2 @@
-"""``deepspeed.runtime.zero``: ``stage_1_and_2`` and ``stage3``'s memory estimators."""
+"""``deepspeed.runtime.zero``: ``stage_1_and_2`` / ``stage3`` (their memory estimators) and
+``partition_parameters`` (``Init``, ``GatheredParameters``)."""
