@@ -5,6 +5,7 @@ tests/test_gathered_writes.py."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -145,5 +146,6 @@ def test_initialize_under_torchrun_starts_the_process_group(tmp_path):
                           "--master-port", str(_port()), str(script)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    # (the ranks share torchrun's stdout: one rank's line may run into the other's)
+    lines = sorted(re.findall(r"RESULT rank=\d world=\d backend=\w+ said=\d", out.stdout))
     assert lines == ["RESULT rank=0 world=2 backend=gloo said=1", "RESULT rank=1 world=2 backend=gloo said=0"]
