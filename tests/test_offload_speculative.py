@@ -163,6 +163,39 @@ def test_no_copy_where_host_memory_runs_short(monkeypatch):
     assert spec["spec"] == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("clip", [0.0, 1e-3])
+def test_compiled_kernel_sizes(clip):
+    """Sub-groups large enough for cpu_adam's compiled kernel (the GPU machines' path; the
+    toy's are stepped by the eager one): kept and redone steps equal the plain path's."""
+    import zeroplug
+
+    def run(spec):
+        torch.manual_seed(0)
+        cfg = _cfg("stage2", spec, clip=clip)
+        cfg["zero"].update(reduce_bucket_size=200_000, sub_group_size=200_000)
+        eng = zeroplug.initialize(ToyNet(d=256, hidden=512), cfg)
+        for x, y in batches(3, 8):
+            eng.backward(eng(x, y))
+            w = eng.offload_optimizer.speculation.window if spec else None
+            for f in (w.futures if w is not None else []):
+                f.result()
+            eng.step()
+        big = max(m.numel() for m in eng.partitioner.master_params())
+        kernel = eng.optimizer.implementation(torch.bfloat16, torch.bfloat16, big, 0.5)
+        out = ([m.clone() for m in eng.partitioner.master_params()],
+               [{k: v.clone() for k, v in eng.optimizer.state[m].items()} for m in eng.partitioner.master_params()],
+               eng.offload_optimizer.speculation, kernel)
+        eng.close()
+        return out
+
+    (m0, s0, _, kernel), (m1, s1, spec, _) = run(False), run(True)
+    if kernel != "compile":
+        pytest.skip("no compiled cpu_adam kernel on this machine")
+    assert all(torch.equal(a, b) for a, b in zip(m0, m1))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(s0, s1) for k in a)
+    assert (spec.rollbacks, spec.speculated_steps > 0) == ((3, False) if clip else (0, True))
+
+
 def test_forward_before_the_step_sees_no_speculation():
     """A no-grad forward between a boundary backward and its step reads the parameters of
     the last step, not speculated ones (the speculation is undone, then redone by the step)."""
