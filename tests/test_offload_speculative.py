@@ -196,6 +196,19 @@ def test_compiled_kernel_sizes(clip):
     assert (spec.rollbacks, spec.speculated_steps > 0) == ((3, False) if clip else (0, True))
 
 
+def test_stage3_parameters_offloaded():
+    """Parameter shards in host memory ([offload.param] cpu): the speculative step writes
+    them directly; kept, redone or undone (overflow), they equal the plain path's."""
+    def cfg(spec):
+        c = _cfg("stage3", spec, "fp16", clip=CLIP_SOME)
+        c["offload"]["param"] = {"plugin": "cpu"}
+        return c
+    plain = _train(cfg(False), inf_at=(2,))
+    spec = _train(cfg(True), inf_at=(2,))
+    _same(plain, spec)
+    assert spec["spec"][2] >= 1
+
+
 def test_forward_before_the_step_sees_no_speculation():
     """A no-grad forward between a boundary backward and its step reads the parameters of
     the last step, not speculated ones (the speculation is undone, then redone by the step)."""
