@@ -66,14 +66,15 @@ class CPUOptions:
     overlap_step_threads: int = opt(0, "CPU threads of the overlapped step's kernel; 0 = all of torch's "
                                        "intra-op threads but one, which is left to the training loop.", min=0)
     speculative_step: bool | Literal["auto"] = opt(
-        "auto", "Step each sub-group on the CPU during the backward, as soon as its gradients are final, "
+        False, "Step each sub-group on the CPU during the backward, as soon as its gradients are final, "
                 "guessing that the step neither clips (gradient_clipping) nor overflows (fp16); the step then "
                 "keeps those sub-groups, or restores them from a copy taken before and redoes them with the real "
                 "factor (or skips). Bit-identical to false either way. Costs a copy of master and optimizer "
                 "states (12 bytes per element, read and written before each speculative sub-group step; host "
                 "memory for the sub-groups that step during a backward, allocated at their first). "
                 "\"auto\" = only on a GPU and only while the last 4 steps neither clipped nor overflowed; "
-                "true = always; false = never. Not with delayed_update (ignored, with a warning when true); "
+                "true = always; false (the default: the copy's traffic cost more than the earlier start gained "
+                "on the 4-GPU host, docs/benchmarks.md) = never. Not with delayed_update (ignored, with a warning when true); "
                 "the GPU lane's sub-groups step at the step as before. docs/architecture.md, \"Speculative "
                 "step\".")
     delayed_update: bool = opt(
