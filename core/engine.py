@@ -23,6 +23,7 @@ import torch
 from . import config as config_mod
 from .comm import Comm
 from .errors import StateError, StepFailedError
+from zeroplug.gathering import forget_engine, register_engine
 from zeroplug.launch import start_process_group
 from zeroplug.observe.metrics import StepMetrics, sequence_length
 from zeroplug.warmup import warm_up_cuda
@@ -123,7 +124,7 @@ class Engine:
         # Note: ranks end their set-up at different times (kernel loads, pinning); meeting
         # here keeps that wait in initialize instead of in the first step's first collective
         run.comm.barrier()
-        _live.add(self)
+        register_engine(self)
         self.hook.zeroplug_engine_created(engine=self)
 
     # -- the training step -------------------------------------------------------
@@ -316,6 +317,7 @@ class Engine:
 
     def close(self) -> None:
         """Release offload files and buffers; monitors flush."""
+        forget_engine(self)
         from .checkpoint.directory import release
         release(self)                   # the locks of the checkpoint directories it saved to
         self.partitioner.wait_optimizer()
@@ -342,14 +344,6 @@ class Engine:
         every rank must call it. Returns ``(path, client_state)``. Reads DeepSpeed's too."""
         from .checkpoint.deepspeed_format import load_any
         return load_any(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-
-
-_live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-
-
-def live_engines() -> list[Engine]:
-    """The engines built in this process and not yet garbage (closed ones included)."""
-    return list(_live)
 
 
 def initialize(model: torch.nn.Module, config=None, overrides=None, device=None,

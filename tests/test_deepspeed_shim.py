@@ -318,3 +318,17 @@ def test_returned_optimizer_zero_grad_and_a_scheduler_built_after_initialize():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(Exception, match="stepped by the engine"):
         opt.step()
+
+
+def test_parameters_belong_to_their_newest_engine_that_is_not_closed():
+    from zeroplug.gathering import live_engines
+    model = ToyNet()
+    cfg = {"batch": {"micro_batch_size": 2}, "monitor": {"plugin": "none"}}
+    first = zeroplug.initialize(model, cfg)
+    second = zeroplug.initialize(model, cfg)           # wrapped again (a new fit, a new strategy)
+    mine = [e for e in live_engines() if e.owns(model.head.weight)]
+    assert mine[:2] == [second, first]
+    second.close()
+    assert second not in live_engines() and first in live_engines()
+    first.close()
+    assert first not in live_engines()

@@ -17,12 +17,32 @@ or partition.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.distributed as dist
 
 from zeroplug.errors import StateError
+
+
+# the engines of this process, oldest first (weak: an engine dropped by its script is gone)
+_engines: list = []
+
+
+def register_engine(engine) -> None:
+    """Called by the engine at the end of ``initialize``."""
+    _engines.append(weakref.ref(engine))
+
+
+def forget_engine(engine) -> None:
+    """Called by ``engine.close()``: its parameters are no longer its own to gather."""
+    _engines[:] = [r for r in _engines if r() is not None and r() is not engine]
+
+
+def live_engines() -> list:
+    """The engines not closed yet, the newest first (a model wrapped again belongs to its newest)."""
+    return [e for r in reversed(_engines) if (e := r()) is not None]
 
 
 def written_error(names: str) -> StateError:
@@ -53,7 +73,6 @@ def plain_gathered(params, modifier_rank=None):
 @contextmanager
 def gathered_parameters(params, modifier_rank=None, plugin_manager=None):
     """Whole values of ``params`` inside the block (every rank enters with the same list)."""
-    from zeroplug.engine import live_engines
     from zeroplug.registry import get_plugin_manager
     params = list(params)
     with ExitStack() as stack:
