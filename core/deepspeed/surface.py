@@ -15,14 +15,15 @@ SURFACE: list[tuple[str, str, str, str]] = [
      "optimizer (its class, settings and parameter groups; an lr that a scheduler already changed is read "
      "from `initial_lr`) or a callable building one from `model_parameters`. `lr_scheduler`: any torch LR "
      "scheduler (or a callable given the engine's optimizer), stepped after every applied step; a scheduler "
-     "in the config wins, as in DeepSpeed. `training_data`: a DataLoader of micro batches over a "
+     "in the config wins, as in DeepSpeed (no config at all: no schedule). `training_data`: a DataLoader of micro batches over a "
      "DistributedSampler (one rank too; a new order each pass). `mpu`, `mesh_param`: refused (data parallel "
      "only). Under a launcher the process group is started (nccl on CUDA, gloo else)"),
     ("deepspeed.add_config_arguments", "argparse", SUPPORTED,
      "adds `--deepspeed`, `--deepspeed_config` (and the old `--deepscale`, `--deepscale_config`)"),
     ("deepspeed.init_distributed", "zeroplug.launch.start_process_group", SUPPORTED,
      "starts the group from torchrun's variables (`dist_backend` or the device's: nccl on CUDA, gloo "
-     "else); one process without a launcher needs none: nothing happens"),
+     "else; one rank started by a launcher gets a group of one, as DeepSpeed starts it); one process "
+     "without a launcher needs none: nothing happens"),
     ("deepspeed.DeepSpeedEngine", "zeroplug.deepspeed.DeepSpeedEngine", SUPPORTED,
      "an `nn.Module` holding zeroplug's Engine (`zeroplug_engine`); the model is its child `module`; "
      "attributes neither has fall through to the model"),
