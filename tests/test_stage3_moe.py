@@ -65,8 +65,9 @@ class MoE(torch.nn.Module):
 
 
 class MoENet(torch.nn.Module):
-    def __init__(self, container="experts"):
+    def __init__(self, container="experts", outside=False):
         super().__init__()
+        self.outside = outside      # the last expert's weight also read outside its MoE block
         self.emb = torch.nn.Embedding(VOCAB, D)
         self.mid = torch.nn.Linear(D, D)
         self.moe = torch.nn.ModuleList(MoE(container) for _ in range(2))
@@ -78,7 +79,10 @@ class MoENet(torch.nn.Module):
         h = h + torch.tanh(self.mid(h))
         for m in self.moe:
             h = h + m(h, route)
-        return F.cross_entropy(self.head(h).view(-1, VOCAB), y.view(-1))
+        loss = F.cross_entropy(self.head(h).view(-1, VOCAB), y.view(-1))
+        if self.outside:
+            loss = loss + 1e-3 * self.moe[0].experts[EXPERTS - 1].up.weight.square().sum()
+        return loss
 
 
 def data():
@@ -254,3 +258,19 @@ def test_leaf_classes_by_dotted_path_and_from_a_deepspeed_config():
     engine = zeroplug.initialize(model, ds)
     assert engine.partitioner.leaves == set(model.moe)
     assert engine.config.raw["zero"]["stage3_leaf_modules"] == [dotted]
+
+
+def run_outside(rank, world):
+    engine = zeroplug.initialize(MoENet(outside=True), _config(3, **SHARD_ALL))
+    x, y = data()[0][rank]
+    engine.backward(engine(x, y))
+
+
+@pytest.mark.slow
+def test_a_leaf_parameter_used_outside_the_leaf_is_refused():
+    """Rank 0 routes no token to the last expert, so its leaf expects no gradient there; a
+    gradient from a use outside the block is an error naming the parameter, never a gradient
+    lost or reduced into the wrong place."""
+    with pytest.raises(AssertionError, match=r"rank 0 failed(.|\n)*StateError: a gradient reached parameter "
+                                             r"'experts.3.up.weight'(.|\n)*outside the leaf"):
+        run_ranks(run_outside, WORLD, timeout=300)

@@ -334,12 +334,13 @@ class Stage3(Stage2):
 
     def _on_grad(self, p) -> None:
         u = self.unit_of[p]
-        if u.partial and u.reduced:
+        if u.partial and (u.reduced or u.expect is None or id(p) not in u.expect):
+            name = next((n for m in self.leaves for n, q in m.named_parameters() if q is p), "")
             raise StateError(
-                f"a gradient reached a parameter of shape {tuple(p.shape)} in a leaf module's unit after "
-                "the unit was reduced: the parameter was used outside the leaf module's forward. Use it "
-                "only inside that module, or do not make the module a leaf (zero.stage3_leaf_modules, "
-                "zero.stage3_auto_leaf_modules)")
+                f"a gradient reached parameter {name!r} (shape {tuple(p.shape)}) of a leaf module although "
+                "the leaf's forward did not use it on this rank: it was used outside the leaf module's "
+                "forward. Use it only inside that module, or do not make the module a leaf "
+                "(zero.stage3_leaf_modules, zero.stage3_auto_leaf_modules, zeroplug.unset_leaf_modules)")
         super()._on_grad(p)
 
     def _post_backward_frozen(self, module) -> None:
