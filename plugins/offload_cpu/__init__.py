@@ -72,7 +72,8 @@ class CPUOptions:
                 "factor (or skips). Bit-identical to false either way. Costs a copy of master and optimizer "
                 "states (12 bytes per element, read and written before each speculative sub-group step; host "
                 "memory for the sub-groups that step during a backward, allocated at their first). "
-                "\"auto\" = only on a GPU and only while the last 4 steps neither clipped nor overflowed; "
+                "\"auto\" = only on a GPU, not beside the overlapped stage-3 step (overlap_step), and only while the last "
+                "4 steps neither clipped nor overflowed; "
                 "true = always; false (the default: the copy's traffic cost more than the earlier start gained "
                 "on the 4-GPU host, docs/benchmarks.md) = never. Not with delayed_update (ignored, with a warning when true); "
                 "the GPU lane's sub-groups step at the step as before. docs/architecture.md, \"Speculative "
@@ -181,8 +182,11 @@ class CPUOffload(HostTier):
             return False
         if mode == "auto":
             # Note: on a CPU device the backward and the speculative step share the cores,
-            # so stepping during the backward only moves the step's time into it.
-            return "auto" if device.type == "cuda" else False
+            # so stepping during the backward only moves the step's time into it. With the
+            # overlapped stage-3 step the CPU step already runs beside the next forward, and
+            # the backward steps the sub-groups that forward needs last: only the copy's
+            # traffic is added (docs/benchmarks.md, the 4-GPU table).
+            return "auto" if device.type == "cuda" and not self.overlaps() else False
         return True
 
     def speculation_refused(self, why):

@@ -33,9 +33,10 @@ the worker reaches before the step validates, usually those whose step fits in t
 backward. A rollback restores the copies (on the critical path) and redoes the steps.
 Sub-groups the worker has not begun when the step validates take no copy.
 
-"auto" speculates only on a GPU (on a CPU the backward and the step share the cores) and
-only while the last ``AUTO_CLEAN_STEPS`` steps neither clipped nor overflowed: when they
-do, a speculation would only add the copy and the rollback. Whether a step would have
+"auto" speculates only on a GPU (on a CPU the backward and the step share the cores),
+not beside the overlapped stage-3 step (the tier decides both), and only while the last
+``AUTO_CLEAN_STEPS`` steps neither clipped nor overflowed: when they do, a speculation
+would only add the copy and the rollback. Whether a step would have
 held is recorded at every boundary, speculating or not.
 """
 from __future__ import annotations
