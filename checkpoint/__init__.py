@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
-import random
 import secrets
 import shutil
 import time
@@ -60,6 +59,7 @@ from .files import (
     fsync_dir, newest_verified, open_checkpoint, prune, rank_file_name, read_latest, read_manifest, resolve, verify,
     write_manifest, write_torch_file,
 )
+from .rng import rng_states, set_rng_states
 from .validate import Fields, check_like, check_rng
 # Re-exported: the engine, the CLI, the zero plugin and the tests import them from here.
 from .exporting import consolidate, export  # noqa: F401
@@ -84,42 +84,6 @@ def _accepts(fn, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
-
-
-# --- RNG ---------------------------------------------------------------------------
-
-def rng_states() -> dict:
-    out = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        st = np.random.get_state(legacy=False)
-        out["numpy"] = {"bit_generator": st["bit_generator"],
-                        "key": torch.from_numpy(st["state"]["key"].astype("int64")),
-                        "pos": int(st["state"]["pos"]), "has_gauss": int(st["has_gauss"]),
-                        "gauss": float(st["gauss"])}
-    return out
-
-
-def set_rng_states(st: dict) -> None:
-    torch.set_rng_state(st["torch"])
-    v, internal, gauss = st["python"]
-    random.setstate((v, tuple(internal), gauss))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
-    if "numpy" in st:
-        try:
-            import numpy as np
-        except ImportError:
-            return
-        n = st["numpy"]
-        np.random.set_state({"bit_generator": n["bit_generator"],
-                             "state": {"key": n["key"].numpy().astype("uint32"), "pos": n["pos"]},
-                             "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
 
 
 # --- client state --------------------------------------------------------------------
@@ -414,7 +378,9 @@ def _own_state(engine, shards: ShardSet, load_module_only: bool) -> dict:
     r = rank if rank < shards.world_size else 0
     obj = shards.load_rank(r)
     where = f"checkpoint {str(shards.path)!r}: file {shards.file_of(r)}"
-    own = {k: obj[k] for k in ("counters", "precision", "rng", "plugins", "client_state")}
+    # copies: a tensor of the mapped file would keep all of it mapped while the partitioner loads
+    own = _copied({k: obj[k] for k in ("counters", "precision", "rng", "plugins", "client_state")})
+    del obj
     if not load_module_only:
         like = engine.precision.state_dict()
         if like and own["precision"]:
@@ -424,6 +390,17 @@ def _own_state(engine, shards: ShardSet, load_module_only: bool) -> dict:
         if rank < shards.world_size:
             check_rng(own["rng"], Fields(where))
     return own
+
+
+def _copied(obj):
+    """``obj`` with every tensor in it copied out of its file."""
+    if torch.is_tensor(obj):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
 
 
 def _apply_own(engine, own: dict, load_module_only: bool, load_lr_scheduler_states: bool, own_rng: bool) -> None:

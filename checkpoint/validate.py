@@ -143,7 +143,7 @@ def check_manifest(m: dict, where: str) -> None:
             if numel > MAX_NUMEL:
                 bad(f"{f}.shape", f"= {show(shape)}: {numel} elements is more than {MAX_NUMEL}")
         dt = p.get("dtype")
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:
             bad(f"{f}.dtype", f"= {show(dt)}: not one of {', '.join(DTYPES)}")
         aliases = p.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
@@ -156,7 +156,7 @@ def check_manifest(m: dict, where: str) -> None:
         bad("model.state_dict", f"= {show(sd)}: not a list")
     for i, entry in enumerate(sd):
         if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
-                or not (entry[1] is None or entry[1] in params)):
+                or not (entry[1] is None or isinstance(entry[1], str) and entry[1] in params)):
             bad(f"model.state_dict[{i}]", f"= {show(entry)}: not a [key, parameter name or null] pair")
 
 
@@ -236,7 +236,7 @@ def check_rank_file(obj, where: str, manifest: dict, rank: int) -> None:
     for k, v in bad.dict_("model.optim_scalars", model.get("optim_scalars", {})).items():
         bad.number(f"model.optim_scalars[{show(k)}]", v)
     for k, v in bad.dict_("model.optim_keys", model.get("optim_keys", {})).items():
-        if not isinstance(k, str) or v not in DTYPES:
+        if not isinstance(k, str) or not isinstance(v, str) or v not in DTYPES:
             bad(f"model.optim_keys[{show(k)}]", f"= {show(v)}: not one of {', '.join(DTYPES)}")
     groups = model.get("optim_groups", [])
     if not isinstance(groups, list) or len(groups) > 1 or not all(isinstance(g, dict) for g in groups):

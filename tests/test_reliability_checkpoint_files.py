@@ -161,12 +161,15 @@ RANK_MUTATIONS = {
     "unknown-param": (lambda o: o["model"]["pieces"].update(evil=[]), "field model.pieces['evil'] is not a parameter"),
     "scalar-inf": (_set(("model", "optim_scalars", "step"), torch.tensor(math.inf)), "not a finite number"),
     "optim-key-dtype": (_set(("model", "optim_keys", "exp_avg"), "int8"), "optim_keys['exp_avg'] = 'int8'"),
+    "optim-key-list": (_set(("model", "optim_keys", "exp_avg"), ["x"]), "optim_keys['exp_avg'] = ['x']"),
     "group-betas": (lambda o: o["model"]["optim_groups"][0].update(betas="abc"), "betas = 'abc': not a list of 2"),
     "scale-nan": (_set(("precision", "scale"), math.nan), "field precision.scale = nan: not a finite number"),
     "scale-missing": (lambda o: o["precision"].pop("cur_hysteresis"), "precision.cur_hysteresis is missing"),
     "rng-python": (_set(("rng", "python"), (3, (1, 2), None)), "field rng.python is not a random.getstate()"),
     "rng-torch": (_set(("rng", "torch"), torch.zeros(7, dtype=torch.uint8)), "field rng.torch is not a generator"),
     "client-not-dict": (_set(("client_state",), 5), "field client_state = 5: not a table"),
+    "extra-state-dict-entry": (_set(("model", "extras", "evil"), torch.zeros(3)),
+                               "file rank_00000.pt field model.extras['evil'] is not an entry"),
 }
 
 MANIFEST_MUTATIONS = {
@@ -186,6 +189,9 @@ MANIFEST_MUTATIONS = {
     "size-string": (lambda m: next(iter(m["files"].values())).update(size="big"), ".size = 'big': not an integer"),
     "files-null": (lambda m: m.update(files=None), "field files = None: lists no files"),
     "state-dict-garbage": (lambda m: m["model"].update(state_dict=[["x", "nope"]]), "model.state_dict[0]"),
+    "state-dict-unhashable": (lambda m: m["model"].update(state_dict=[["x", ["a"]]]), "model.state_dict[0]"),
+    "dtype-list": (lambda m: m["model"]["params"][next(iter(m["model"]["params"]))].update(dtype=["float32"]),
+                   "dtype = ['float32']: not one of"),
 }
 
 
@@ -290,7 +296,7 @@ def test_a_failure_after_the_checks_marks_the_engine_failed(saved, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk vanished")
     e = make()
-    monkeypatch.setattr(checkpointing, "_install_optimizer_state", boom)
+    monkeypatch.setattr(checkpointing, "install_optimizer_state", boom)
     msg = refused(lambda: e.load_checkpoint(saved))
     assert "failed after it was checked" in msg and "disk vanished" in msg, msg
     with pytest.raises(StepFailedError) as ei:
@@ -401,3 +407,30 @@ def test_two_ranks_refuse_together(tmp_path, name):
         assert "this rank needs" in res[0]["msg"] and res[1]["msg"].startswith("rank 0: "), res
     else:
         assert all("rank_00001.pt field model.pieces[" in r["msg"] for r in res), res
+
+
+def test_a_part_file_mutation_is_refused(tmp_path):
+    """The optimizer on "NVMe": masters and states in part files, streamed in one sub-group
+    at a time on load. A re-sealed part file with a wider master is refused before any
+    sub-group is brought in, and the engine trains on as one that never saw it."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    c = dict(CFG, offload={"optimizer": {"plugin": "nvme", "nvme_path": str(swap), "buffer_count": 2}})
+    e = make(config=c)
+    step(e, 0)
+    tag = Path(e.save_checkpoint(tmp_path / "ck"))
+    parts = sorted(p.name for p in tag.iterdir() if ".sg" in p.name)
+    assert parts, list(tag.iterdir())
+
+    def wider(obj):
+        name = next(iter(obj["pieces"]))
+        _wider(obj["pieces"][name][0], "master")
+    reseal_file(tag, parts[0], wider)
+    ref = make(config=c)
+    step(ref, 0)
+    msg = refused(lambda: e.load_checkpoint(tag))
+    assert f"file {parts[0]} field pieces[" in msg and ".master is a float32 tensor" in msg, msg
+    assert e.run.failed is None
+    assert [step(e, s) for s in (1, 2)] == [step(ref, s) for s in (1, 2)]
+    e.close()
+    ref.close()

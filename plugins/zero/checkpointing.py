@@ -43,11 +43,11 @@ import torch
 
 from zeroplug.checkpoint import CheckpointError, piece_view
 
-log = logging.getLogger("zeroplug")
+from .checkpoint_state import (
+    check_covered, check_model, check_optimizer, install_optimizer_state, state_buffer,
+)
 
-# optimizer hyper-parameters that a checkpoint does not override: lr follows the
-# schedule; the rest choose kernels, which the current config decides
-_GROUP_KEYS_KEPT = {"params", "lr", "fused", "foreach", "capturable", "differentiable"}
+log = logging.getLogger("zeroplug")
 
 
 class Segment(NamedTuple):
@@ -246,24 +246,6 @@ def export_state(part, optimizer=None, parts=None) -> dict:
     return out
 
 
-def _check_model(saved: dict, mine: dict, where) -> None:
-    sp, mp = saved["params"], mine["params"]
-    missing = sorted(set(mp) - set(sp))
-    unexpected = sorted(set(sp) - set(mp))
-    shapes = [f"{n}: checkpoint {tuple(sp[n]['shape'])}, model {tuple(mp[n]['shape'])}"
-              for n in sorted(set(sp) & set(mp)) if list(sp[n]["shape"]) != list(mp[n]["shape"])]
-    sk = {k for k, _ in saved["state_dict"]}
-    mk = {k for k, _ in mine["state_dict"]}
-    missing += sorted(k for k in mk - sk if k not in missing)
-    unexpected += sorted(k for k in sk - mk if k not in unexpected)
-    if missing or unexpected or shapes:
-        parts = []
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
-            if items:
-                parts.append(f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}")
-        raise CheckpointError(f"checkpoint {where} does not fit this model ({'; '.join(parts)})")
-
-
 def import_state(part, states, optimizer=None, load_master: bool = True,
                  load_optimizer_states: bool = True) -> None:
     """Load this rank's part from ``states`` (a :class:`zeroplug.checkpoint.ShardSet`: the
@@ -276,7 +258,7 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
     optimizer's hyper-parameters) and changes nothing; then ``states.commit()`` (where
     several ranks agree that all passed); the second copies."""
     where = repr(str(getattr(states, "path", "")))
-    _check_model(states.meta, checkpoint_meta(part), where)
+    check_model(states.meta, checkpoint_meta(part), where)
     want_opt = load_optimizer_states and optimizer is not None
     _walk(part, states, optimizer, load_master, want_opt, where, dry=True)
     commit = getattr(states, "commit", None)
@@ -328,7 +310,7 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
                                               f"{t.dtype}, elsewhere {opt_seen[key]}")
                     continue
                 if key not in st:
-                    st[key] = _state_buffer(optimizer, masters[seg.k], key, t.dtype)
+                    st[key] = state_buffer(optimizer, masters[seg.k], key, t.dtype)
                 m0 = seg.mloc + d0
                 st[key][m0:m0 + (y - x)].copy_(t[src])
 
@@ -342,13 +324,15 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
                 keys = dict(model["optim_keys"])
             if groups is None and model.get("optim_groups"):
                 groups = model["optim_groups"]
+        fname = states.file_of(rank) if hasattr(states, "file_of") else f"rank {rank}'s file"
         for k, v in model.get("extras", {}).items():
             dst = live.get(k)
             if dst is None or not torch.is_tensor(dst):
-                raise CheckpointError(f"checkpoint {where}: {k!r} is not an entry of this model's state dict")
+                raise CheckpointError(f"checkpoint {where}: file {fname} field model.extras[{k!r}] is not an entry "
+                                      "of this model's state dict")
             if dst.shape != v.shape or dst.is_floating_point() != v.is_floating_point() or v.is_complex():
-                raise CheckpointError(f"checkpoint {where}: {k!r} is {tuple(v.shape)} {v.dtype}, "
-                                      f"the model's {tuple(dst.shape)} {dst.dtype}")
+                raise CheckpointError(f"checkpoint {where}: file {fname} field model.extras[{k!r}] is "
+                                      f"{tuple(v.shape)} {v.dtype}, the model's {tuple(dst.shape)} {dst.dtype}")
             if not dry:
                 dst.data.copy_(v)
         for name, pieces in model["pieces"].items():
@@ -397,7 +381,7 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
             del model
         states.release()
         for j, s in enumerate(segs):
-            _check_covered(covered[j], s, where)
+            check_covered(covered[j], s, where)
         if dry:
             for u, entries in lp_later.items():       # values of shards out of memory: there
                 for (kind, ref, i), seg, name, a, b, x, y in sorted(entries, key=lambda e: e[0]):
@@ -422,11 +406,11 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
                 if opt_filled.get((k, key), 0) != need[k]:
                     raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
             if dry:
-                _check_optimizer(where, optimizer, opt_seen, keys, groups)
+                check_optimizer(where, optimizer, opt_seen, keys, groups)
                 return
             # parameter groups of one's own (model_parameters) keep the settings the engine was
             # built with; the saved ones are one group's
-            _install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys,
+            install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys,
                                      groups if getattr(part, "groups", None) is None or part.groups.plain else None)
     if dry:
         return
@@ -435,37 +419,6 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
     else:
         part._gather_after_step()       # published sub-group by sub-group in _fill_streamed
     part.zero_grad()
-
-
-def _check_covered(spans: list[tuple[int, int]], s: Segment, where: str) -> None:
-    """The pieces that fall into ``s`` hold each of its elements exactly once."""
-    at = s.a
-    for x, y in sorted(spans):
-        if x != at:
-            what = "twice" if x < at else "not at all"
-            raise CheckpointError(f"checkpoint {where} holds element {min(x, at)} of {s.name!r} {what} "
-                                  f"(this rank needs [{s.a}, {s.b}))")
-        at = y
-    if at != s.b:
-        raise CheckpointError(f"checkpoint {where} holds {at - s.a} of the elements [{s.a}, {s.b}) "
-                              f"of {s.name!r} that this rank needs")
-
-
-def _check_optimizer(where: str, optimizer, seen: dict, keys: dict, groups) -> None:
-    """The optimizer states and hyper-parameters the load would install: of the dtypes the
-    checkpoint declares, and hyper-parameters of the kinds the optimizer has."""
-    for key, dt in seen.items():
-        if key not in keys or _dtype_name(dt) != keys[key]:
-            raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} ({_dtype_name(dt)}) is not one "
-                                  f"its optim_keys declare ({', '.join(f'{k}: {v}' for k, v in keys.items()) or 'none'})")
-    if not groups or not optimizer.param_groups:
-        return
-    from zeroplug.checkpoint.validate import Fields, check_like
-    bad = Fields(f"checkpoint {where}: model.optim_groups[0]")
-    cur = optimizer.param_groups[0]
-    for key, v in groups[0].items():
-        if key in cur and key not in _GROUP_KEYS_KEPT:
-            check_like(v, cur[key], bad, key, signs=False)
 
 
 def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool,
@@ -487,7 +440,7 @@ def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, 
         with tier.import_(k, optimizer):
             st = new_state[k]
             for key, dt in keys.items():        # every state the checkpoint has, also for padding
-                st[key] = _state_buffer(optimizer, t, key, getattr(torch, dt))
+                st[key] = state_buffer(optimizer, t, key, getattr(torch, dt))
             for (kind, ref, i), seg, name, a, b, x, y in sorted(later[k], key=lambda e: e[0]):
                 # file by file: each part file (or rank file) is mapped once per sub-group
                 pc = {"start": a, "end": b, "part": ref} if kind == 0 else states.rank_piece(ref, name, i)
@@ -533,37 +486,3 @@ def _lp_value(states, name: str, pc: dict, prefer_master: bool) -> torch.Tensor:
     return val
 
 
-def _state_buffer(optimizer, master: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
-    """Where a state's loaded values go: the live state tensor when there is one (no second
-    copy of the optimizer states while loading into a trained engine), else a new one."""
-    cur = (optimizer.state.get(master) or {}).get(key)
-    if torch.is_tensor(cur) and cur.shape == master.shape and cur.dtype == dtype:
-        return cur
-    return torch.zeros(master.shape, dtype=dtype, device=master.device)
-
-
-def _install_optimizer_state(optimizer, masters, new_state, scalars, keys, groups) -> None:
-    index, i = {}, 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            index[id(p)] = i
-            i += 1
-    state = {}
-    if keys:                # the checkpoint had optimizer state (else: none, as when it was saved)
-        for k, t in enumerate(masters):
-            st = new_state[k]
-            for key, dt in keys.items():
-                if key not in st:          # a master that is only padding on this rank
-                    st[key] = _state_buffer(optimizer, t, key, getattr(torch, dt)).zero_()
-            for key, v in scalars.items():
-                st[key] = v.clone() if torch.is_tensor(v) else v
-            if id(t) not in index:
-                raise CheckpointError("a master tensor is not a parameter of the optimizer")
-            state[index[id(t)]] = st
-    cur = optimizer.state_dict()["param_groups"]
-    if groups:          # one group's hyper-parameters (every group has the same), applied to all
-        for g in cur:
-            for key, v in groups[0].items():
-                if key in g and key not in _GROUP_KEYS_KEPT:
-                    g[key] = v
-    optimizer.load_state_dict({"state": state, "param_groups": cur})
