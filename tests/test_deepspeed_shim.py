@@ -332,3 +332,19 @@ def test_parameters_belong_to_their_newest_engine_that_is_not_closed():
     assert second not in live_engines() and first in live_engines()
     first.close()
     assert first not in live_engines()
+
+
+def test_z3_leaf_modules_under_deepspeeds_names():
+    """`deepspeed.utils.set_z3_leaf_modules(model, [Cls])`, as MoE code calls it, marks zeroplug's leaves."""
+    from zeroplug.deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    model = torch.nn.Sequential(Experts(), torch.nn.Linear(4, 4))
+    assert set_z3_leaf_modules(model, [Experts]) == [model[0]]
+    assert z3_leaf_module(model[0]) and not z3_leaf_module(model[1]) and get_z3_leaf_modules(model) == [model[0]]
+    unset_z3_leaf_modules(model, [Experts])
+    assert get_z3_leaf_modules(model) == []

@@ -90,6 +90,24 @@ SURFACE: list[tuple[str, str, str, str]] = [
      "a parameter read outside its module's forward is gathered on use"),
     ("deepspeed.runtime.zero.partition_parameters.Init / GatheredParameters", "deepspeed.zero's", SUPPORTED,
      "where DeepSpeed defines them"),
+    ("deepspeed.utils.set_z3_leaf_modules / unset_z3_leaf_modules / get_z3_leaf_modules / z3_leaf_module",
+     "zeroplug.set_leaf_modules / unset_leaf_modules / get_leaf_modules / is_leaf_module", SUPPORTED,
+     "a leaf is gathered whole by its own forward on every rank (a mixture of experts whose experts a rank "
+     "may skip); modules holding an `experts` list are found without it (`zero.stage3_auto_leaf_modules`)"),
+    ("deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint / "
+     "convert_zero_checkpoint_to_fp32_state_dict / convert_zero_checkpoint_to_state_dict / "
+     "load_state_dict_from_zero_checkpoint", "zeroplug.checkpoint.fp32_export", SUPPORTED,
+     "a zeroplug or a DeepSpeed checkpoint, streamed one tensor at a time; `python -m "
+     "zeroplug.deepspeed.utils.zero_to_fp32 CKPT OUT` as DeepSpeed's script (docs/deepspeed-switch.md)"),
+    ("deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live / "
+     "estimate_zero2_model_states_mem_needs_all_cold", "zeroplug's estimate", SUPPORTED,
+     "DeepSpeed's table, with zeroplug's bytes per parameter"),
+    ("deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live / "
+     "estimate_zero3_model_states_mem_needs_all_cold", "zeroplug's estimate", SUPPORTED,
+     "DeepSpeed's table, with zeroplug's bytes per parameter"),
+    ("the deepspeed launcher (`deepspeed --num_gpus N train.py`)", "zeroplug-deepspeed / zeroplug launch",
+     SUPPORTED, "the same command line carried out by torchrun (`--num_gpus`, `--num_nodes`, `--hostfile`, "
+     "`--include` / `--exclude`, `--master_addr`, `--master_port`); docs/deepspeed-switch.md"),
     ("deepspeed.runtime.zero.partition_parameters.ZeroParamStatus", "an enum", SUPPORTED,
      "zeroplug's parameters carry no `ds_id` / `ds_status`: code that checks `hasattr(p, \"ds_id\")` takes "
      "its whole-parameter path, where a stage-3 parameter read is gathered on use"),
@@ -141,6 +159,9 @@ MODULES = {
     "zeroplug.deepspeed.ops.lamb": ["FusedLamb"],
     "zeroplug.deepspeed.accelerator": ["get_accelerator"],
     "zeroplug.deepspeed.runtime.zero.partition_parameters": ["Init", "GatheredParameters", "ZeroParamStatus"],
+    "zeroplug.deepspeed.utils": "deepspeed.utils.",
+    "zeroplug.deepspeed.runtime.zero.stage_1_and_2": "deepspeed.runtime.zero.stage_1_and_2.",
+    "zeroplug.deepspeed.runtime.zero.stage3": "deepspeed.runtime.zero.stage3.",
 }
 
 
