@@ -146,9 +146,12 @@ class Monitor:
     def __init__(self, options, run: RunContext):
         self.options, self.run = options, run
 
+    #: write every step's readings (``metrics["record"]``), not only the printed steps'
+    every_step = False
+
     @hookimpl(trylast=True)
     def zeroplug_step_end(self, engine, metrics) -> None:
-        if engine.run is self.run and metrics.get("print"):
+        if engine.run is self.run and (metrics.get("print") or self.every_step and metrics.get("record")):
             self.write(metrics)
 
     @hookimpl

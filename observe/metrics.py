@@ -4,7 +4,8 @@ Every step gets ``step``, ``lr``, ``loss_scale``, ``grad_norm``, ``skipped``,
 ``skipped_steps`` and ``step_time`` (wall time since the previous step ended; for the first
 step, since its first forward began) plus the
 phase times (``phase_*``, :mod:`zeroplug.observe.phases`); a printed step (every
-``steps_per_print`` and the first) adds the loss, throughput and memory readings, and the
+``steps_per_print`` and the first), and every step when a monitor records every step
+(``record``), adds the loss, throughput and memory readings, and the
 first step the memory report (the persistent states exist from there on).
 
 Note: samples/s and tokens/s are the step's samples (tokens) over ``step_time``, the wall
@@ -54,7 +55,10 @@ class StepMetrics:
         metrics = {"step": engine.global_step, "lr": lr, "loss_scale": engine.precision.loss_scale,
                    "grad_norm": norm, "skipped": skipped, "skipped_steps": engine.skipped_steps,
                    "step_time": dt, "print": engine.global_step % every == 0 or engine.global_step == 1}
-        if metrics["print"]:
+        # Note: a monitor that records every step (the CSV file) gets the readings of every
+        # step; they cost one read-back of the loss per step, which printed lines alone avoid.
+        metrics["record"] = metrics["print"] or any(m.every_step for m in engine.monitors)
+        if metrics["record"]:
             loss = self.loss_sum.item() / engine.gradient_accumulation_steps
             batch = engine.train_batch_size
             cur = batch / dt if dt > 0 else float("nan")
@@ -63,7 +67,7 @@ class StepMetrics:
             metrics.update(loss=loss, samples_per_sec=cur, avg_samples_per_sec=batch * n / t if t > 0 else cur,
                            tokens_per_sec=cur * (engine.tokens_per_sample or 0),
                            mem_allocated=alloc, max_mem_allocated=peak, host_rss=host_rss_bytes())
-        metrics.update(self.clock.take(keep=metrics["print"]))
+        metrics.update(self.clock.take(keep=metrics["record"]))
         self.loss_sum = None
         if engine.global_step == 1 and metrics["print"]:
             trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)

@@ -185,7 +185,7 @@ def draw(series: Series, out: Path, title: str) -> Path:
     phases = _phase_names(series)
     if phases:
         steps = sorted({s for p in phases for s, _ in series[f"phase_{p}"]})
-        width = 0.8 * (min(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 1)
+        width = 0.8 * (statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 1)
         bottom = [0.0] * len(steps)
         totals = {}
         warm = 1 if len(steps) >= 3 else 0        # the first report is the warm-up step
@@ -195,6 +195,7 @@ def draw(series: Series, out: Path, title: str) -> Path:
             totals[p] = sum(ys[warm:])
             ax_ph.bar(steps, ys, width, bottom=bottom, color=PHASE_COLORS.get(p), label=PHASE_LABELS.get(p, p))
             bottom = [b + y for b, y in zip(bottom, ys)]
+        ax_ph.set_xlim(max(0.0, steps[0] - width), steps[-1] + width)     # not below step 0
         whole = sum(totals.values()) or 1.0
         handles, labels = ax_ph.get_legend_handles_labels()
         labels = [f"{lab}: {100 * totals[p] / whole:.0f}%" for lab, p in zip(labels, phases)]

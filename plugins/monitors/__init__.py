@@ -49,7 +49,8 @@ class Stdout(Monitor):
 
 
 class CSVMonitor(Monitor):
-    """Rank 0 appends one row per steps_per_print steps to a CSV file (and one per evaluation)."""
+    """Rank 0 appends one row per step to a CSV file (and one per evaluation)."""
+    every_step = True
     @dataclass(frozen=True)
     class Options:
         path: str = opt("zeroplug_metrics.csv", "The CSV file (created, or appended to).")
