@@ -16,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from .cpu_topology import read_text
+
 THREADS_ENV = "ZEROPLUG_CPU_ADAM_THREADS"
 CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
@@ -41,14 +43,6 @@ def affinity_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def _v2_quota(text: str | None) -> float | None:
@@ -82,7 +76,7 @@ def cgroup_cpu_limit(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) ->
     container the group path in ``/proc/self/cgroup`` may be the host's while the mount shows
     the container's own group at its root, so the root is read too."""
     v2_path, v1_path = None, None
-    for line in (_read(proc_cgroup) or "").splitlines():
+    for line in (read_text(proc_cgroup) or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -97,12 +91,12 @@ def cgroup_cpu_limit(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) ->
         parts = rel.split("/") if rel else []
         for i in range(len(parts)):
             dirs.append(os.path.join(root, *parts[:i + 1]))
-        limits += [q for d in dirs if (q := _v2_quota(_read(os.path.join(d, "cpu.max")))) is not None]
+        limits += [q for d in dirs if (q := _v2_quota(read_text(os.path.join(d, "cpu.max")))) is not None]
     rel = (v1_path or "/").strip("/")
     for mount in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
         base = os.path.join(root, mount)
         for d in ([os.path.join(base, rel)] if rel else []) + [base]:
-            q = _v1_quota(_read(os.path.join(d, "cpu.cfs_quota_us")), _read(os.path.join(d, "cpu.cfs_period_us")))
+            q = _v1_quota(read_text(os.path.join(d, "cpu.cfs_quota_us")), read_text(os.path.join(d, "cpu.cfs_period_us")))
             if q is not None:
                 limits.append(q)
                 break
