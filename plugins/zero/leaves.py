@@ -19,12 +19,15 @@ def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
         raise ConfigError(f"zero.stage3_leaf_modules names {', '.join(map(repr, missing))}, but the model has "
                           f"no module of that class; its classes are: {', '.join(classes)}",
                           key="zero.stage3_leaf_modules")
+    # Note: the model itself is never found a leaf (a model whose own forward routes over its
+    # experts): gathered whole it would not be sharded at all, and its output need not be a
+    # tensor, so no backward hook of its own would gather it again for the backward.
     leaves, inside = [], set()
     for m in module.modules():
         if id(m) in inside:
             continue
         if is_leaf_module(m) or declared.intersection(class_names(m)) or (
-                options.stage3_auto_leaf_modules and holds_experts(m)):
+                options.stage3_auto_leaf_modules and m is not module and holds_experts(m)):
             leaves.append(m)
             inside.update(id(c) for c in m.modules())
     return leaves
