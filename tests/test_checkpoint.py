@@ -536,6 +536,7 @@ def _reshape_worker(rank, world, root, loads):
     return out
 
 
+@pytest.mark.slow
 def test_reshape_any_world_size(tmp_path):
     r1 = run_ranks(_reshape_worker, 1, str(tmp_path), [])[0]
     r2 = run_ranks(_reshape_worker, 2, str(tmp_path), [2, 1])[0]           # 2 -> 2, 1 -> 2

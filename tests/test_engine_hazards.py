@@ -104,6 +104,9 @@ def _port() -> int:
 
 
 def test_launcher_without_a_rendezvous_address_is_refused_in_one_line(monkeypatch):
+    import torch.distributed as dist
+    if dist.is_initialized():       # a group an earlier test left behind: initialize would use it
+        dist.destroy_process_group()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("MASTER_ADDR", raising=False)

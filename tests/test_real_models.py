@@ -41,7 +41,7 @@ def references():
     return {name: R.torch_losses(name, STEPS) for name in MODELS}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["world1", "world2"])
 def results(request):
     return request.param, run_ranks(_all_cases, request.param)[0]
 

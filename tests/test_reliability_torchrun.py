@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from zeroplug import checkpoint
@@ -96,6 +97,7 @@ def _losses(root: Path) -> dict[int, str]:
         return {int(r["step"]): r["loss"] for r in csv.DictReader(f) if r.get("loss")}
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_job_then_restart_resumes_exactly(tmp_path):
     ref = tmp_path / "ref"
     code, out, _ = _run(ref, 0, None)
