@@ -225,6 +225,7 @@ def _losses(lines) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_step_then_resume_exact(tmp_path):
     steps = 6
     seed = random.randrange(1 << 30)

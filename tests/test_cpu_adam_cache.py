@@ -46,6 +46,7 @@ print(json.dumps({**{k: v for k, v in w.stats.items() if k != "result"}, "error"
 """
 
 
+@pytest.mark.slow
 def test_second_process_loads_the_kernel(tmp_path):
     """Two processes start at once (two local ranks): one builds under the lock while the
     other waits, then loads the kernel from the cache instead of compiling it."""
@@ -193,6 +194,7 @@ print(json.dumps({"done": w.done.is_set(), "eager": ck._COMPILED.eager_while_war
 """     # (and exits at once: a child process, if any, builds on)
 
 
+@pytest.mark.slow
 def test_initialize_waits_only_for_a_kernel_built_before(tmp_path):
     """First run on a machine: finish() returns while a child process builds the kernel
     (eager meanwhile); the child finishes the build after this process has ended; the next

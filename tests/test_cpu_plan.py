@@ -156,6 +156,7 @@ def _run(cache, mode="measure", *extra, env_extra=None, cpus=None):
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
+@pytest.mark.slow
 def test_outside_affinity_honoured_and_cache_reused_by_a_second_process(tmp_path):
     """A process started on CPU 0 only (taskset -c 0) plans within it: one line at the
     default log level, measured; a second process reads the cached plan."""
@@ -173,6 +174,7 @@ def test_outside_affinity_honoured_and_cache_reused_by_a_second_process(tmp_path
     assert len(plans) == 1 and plans[0].endswith(".json")
 
 
+@pytest.mark.slow
 def test_bad_input_warns_once_and_runs(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     # more local ranks than cores: not bound, one thread, one warning
@@ -212,6 +214,7 @@ def _ranks_plan(rank, world, cache):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+@pytest.mark.slow
 def test_two_ranks_split_the_cores(tmp_path):
     from distributed import run_ranks
     cpus = sorted(os.sched_getaffinity(0))

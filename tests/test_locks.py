@@ -98,6 +98,7 @@ def test_a_removed_lock_file_is_not_taken_for_the_lock(tmp_path):
 
 # --- checkpoint directories ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_second_run_on_a_checkpoint_dir_is_refused(tmp_path):
     ck = tmp_path / "ck"
     args = [f"--checkpoint.dir={ck}", "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=2"]

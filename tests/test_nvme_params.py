@@ -112,6 +112,7 @@ def _reshape_job(rank, world, swap, ck, save):
     return out
 
 
+@pytest.mark.slow
 def test_nvme_params_checkpoint_reshapes(tmp_path):
     """Saved by 2 ranks with every shard on NVMe, resumed by 1 (and 2) the same."""
     swap, ck = str(tmp_path / "swap"), str(tmp_path / "ck")

@@ -169,7 +169,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.slow) if w == 4 else w for w in WORLDS])
 def test_matches_torch_adamw(world, case, results, references):
     kw = CASES[case]
     res = results(world)[case]
@@ -197,6 +197,7 @@ def test_matches_torch_adamw(world, case, results, references):
             f"world {world} {case}: parameter {k} differs by {diff.mean().item():.3g} on average > {param_mean_atol:g}"
 
 
+@pytest.mark.slow
 def test_report_observed_tolerances(results, references, capsys):
     """Not a check of its own: prints the largest differences seen, per precision."""
     worst = {}
