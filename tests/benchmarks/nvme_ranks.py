@@ -31,20 +31,13 @@ import sys
 import tempfile
 import time
 
+from swapper_vs_dd import drop_caches      # the script beside this one
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+
 MiB = 1 << 20
 WARMUP = 2
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def parallel_dd(path: str, streams: int, count: int) -> tuple[float, float]:
