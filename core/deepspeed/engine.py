@@ -8,15 +8,13 @@ import warnings
 
 import torch
 
+from zeroplug.checkpoint.deepspeed_files import SCHEDULER_KEY
 from zeroplug.engine import Engine
 from zeroplug.launch import local_rank
 
 from .optimizer import EngineOptimizer
 
 log = logging.getLogger("zeroplug")
-
-# client_state key of the script's own LR scheduler (a torch scheduler's state_dict)
-SCHEDULER_KEY = "zeroplug.deepspeed.lr_scheduler"
 
 
 class DeepSpeedEngine(torch.nn.Module):

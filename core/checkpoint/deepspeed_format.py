@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .deepspeed_files import (ZeroStageEnum, find_deepspeed_checkpoint, load_deepspeed_file, model_file,
+from .deepspeed_files import (SCHEDULER_KEY, ZeroStageEnum, find_deepspeed_checkpoint, load_deepspeed_file, model_file,
                               optim_files)
 from .files import CheckpointError
 from .writers import Entry
@@ -468,7 +468,6 @@ def load_deepspeed_checkpoint(engine, load_dir, tag=None, load_optimizer_states:
     sched = ck.model_states.get("lr_scheduler")
     if load_lr_scheduler_states and not load_module_only and isinstance(sched, dict) and "last_epoch" in sched:
         # a torch LR scheduler's state: zeroplug.deepspeed's engine gives it back to the scheduler
-        from zeroplug.deepspeed.engine import SCHEDULER_KEY
         client.setdefault(SCHEDULER_KEY, sched)
     return str(path), client
 

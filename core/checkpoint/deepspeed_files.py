@@ -31,6 +31,8 @@ from .files import CheckpointError, plain_name
 
 OPTIM_SUFFIX = "_optim_states.pt"
 MODEL_SUFFIX = "_model_states.pt"
+#: the client-state key under which a torch LR scheduler's state travels to zeroplug.deepspeed's engine
+SCHEDULER_KEY = "zeroplug.deepspeed.lr_scheduler"
 _OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
