@@ -156,20 +156,26 @@ def _rank_state(engine, client_state, parts: PartWriter) -> dict:
 def _estimate_bytes(engine) -> int:
     """About how many bytes this rank's files of a checkpoint take, from the sizes of its
     states (known before anything is written): model-dtype values, fp32 masters and the
-    optimizer's element-wise states of the elements it owns."""
+    optimizer's element-wise states of the elements it owns. 0 (logged) when the states
+    cannot be sized: the estimate only guards the free-space check, never a save."""
     try:
         part = engine.partitioner
         if not getattr(part, "shard_optimizer", True) and engine.run.rank != 0:
             return 0                            # replicated: rank 0 writes it
         psize = torch.empty((), dtype=engine.precision.param_dtype).element_size()
-        master = 0 if psize == 4 and not engine.offload_optimizer.offloaded else 4
+        # Note: an fp32 model whose masters stay on the training device trains the masters
+        # themselves (no second copy is saved); an offloaded tier keeps its own fp32 copy.
+        aliased = psize == 4 and not engine.offload_optimizer.capabilities.offloaded
+        master = 0 if aliased else 4
         total = 0
         for t in part.master_params():
             st = engine.optimizer.state.get(t, {})
             total += t.numel() * (psize + master) + sum(
                 v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.shape == t.shape)
         return total
-    except Exception:                            # noqa: BLE001 - an estimate never blocks a save
+    except (AttributeError, TypeError, NotImplementedError, RuntimeError) as exc:
+        log.warning("[zeroplug] checkpoint: the states could not be sized (%s: %s); the free-space check "
+                    "before this save counts only the previous checkpoint", type(exc).__name__, exc)
         return 0
 
 
