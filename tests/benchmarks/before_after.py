@@ -15,7 +15,7 @@ the median over rounds of each run's median step time, and after / before.
 
 Workloads (``--only`` picks some): ``offload``: 1.3B, stage 3, optimizer and parameters
 offloaded to the CPU with the tier's defaults; ``nvme``: 350M, stage 3, optimizer states on
-NVMe (parameters in CPU memory), at ``--nvme-path``.
+NVMe (parameters in CPU memory), at ``--nvme-path``. ``--out DIR`` keeps each run's JSON.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def run(before: Path, after: Path, rounds: int, only: list[str], nvme_path: str,
         mb, ma = statistics.median(b), statistics.median(a)
         print(f"| {w} | {mb:.3f} | {ma:.3f} | {ma / mb:.3f} | before {', '.join(f'{x:.3f}' for x in b)}; "
               f"after {', '.join(f'{x:.3f}' for x in a)} |")
-    print(f"\nbefore: {trees['before']}\nafter:  {trees['after']}\nJSON per run: {out}")
+    print(f"\nbefore: {trees['before']}\nafter:  {trees['after']}")
     return 1 if bad else 0
 
 
@@ -143,12 +143,18 @@ def main() -> int:
     r.add_argument("--steps", type=int, default=None, help="timed steps per run (default: the workload's)")
     r.add_argument("--only", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     r.add_argument("--nvme-path", default="/root/zeroplug_nvme")
-    r.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    r.add_argument("--out", default=os.environ.get("OUT"),
+                   help="keep each run's JSON here (default: $OUT; without either, a temporary directory)")
     args = p.parse_args()
     if args.what == "export":
         export(args.revisions, Path(args.out))
         return 0
-    return run(Path(args.before), Path(args.after), args.rounds, args.only, args.nvme_path, Path(args.out), args.steps)
+    if args.out:
+        rc = run(Path(args.before), Path(args.after), args.rounds, args.only, args.nvme_path, Path(args.out), args.steps)
+        print(f"JSON per run: {args.out}")
+        return rc
+    with tempfile.TemporaryDirectory(prefix="before_after_") as tmp:
+        return run(Path(args.before), Path(args.after), args.rounds, args.only, args.nvme_path, Path(tmp), args.steps)
 
 
 if __name__ == "__main__":

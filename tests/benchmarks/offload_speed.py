@@ -9,9 +9,10 @@ or after two steps for the exact one) and the engine's own phases of each step (
 backward, wait_gradients, optimizer, other; CUDA events, docs/benchmarks.md "Step
 phases"), exact then delayed, in one process. ``curve``: the training loss of the same
 ``--steps`` batches (fixed seeds; real text: the Python standard library's sources,
-byte-level ids) for both, a CSV and a PNG. Each mode writes under ``$OUT`` when set
-(else ./offload_speed_out). DeepSpeed 0.19.8 on this workload: 7.7k tokens/s (quoted
-from the issue, not measured here).
+byte-level ids) for both, and with ``--out DIR`` a CSV and a PNG. ``--out DIR`` (default:
+``$OUT`` when set) also keeps each mode's raw result as JSON; without either the script only
+prints. DeepSpeed 0.19.8 on this workload: 7.7k tokens/s (docs/benchmarks.md, not measured
+here).
 """
 from __future__ import annotations
 
@@ -116,12 +117,15 @@ def main():
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="exact,delayed")
+    p.add_argument("--out", default=os.environ.get("OUT"),
+                   help="directory for the raw JSON (and the curve's CSV and PNG); default $OUT, else print only")
     args = p.parse_args()
     curve = args.what == "curve"
     args.steps = args.steps or (200 if curve else 14)
     args.warmup = args.warmup if args.warmup is not None else (40 if curve else 4)
-    out = os.environ.get("OUT") or "offload_speed_out"
-    os.makedirs(out, exist_ok=True)
+    out = args.out
+    if out:
+        os.makedirs(out, exist_ok=True)
     results = []
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
@@ -133,8 +137,9 @@ def main():
               f"delayed_steps={r['delayed_steps']} peakGPU={r['peak_gpu_gib']:.1f}GiB wall={r['wall_s']:.0f}s "
               f"last_loss={r['losses'][-1]:.4f}", flush=True)
         print("PHASES", r["mode"], json.dumps(r["phases"]), flush=True)
-        with open(os.path.join(out, f"{args.what}_{r['mode']}.json"), "w") as f:
-            json.dump(r, f, indent=1)
+        if out:
+            with open(os.path.join(out, f"{args.what}_{r['mode']}.json"), "w") as f:
+                json.dump(r, f, indent=1)
     print("\n| mode | s/step | tokens/s | vs DeepSpeed 7.7k | " + " | ".join(
         k[6:] for k in results[0]["phases"]) + " |")
     for r in results:
@@ -142,15 +147,15 @@ def main():
               f"{r['tokens_per_s'] / DEEPSPEED_TOKENS_PER_S:.2f}x | "
               + " | ".join(f"{v:.3f}" for v in r["phases"].values()) + " |")
     if curve:
-        path = os.path.join(out, "loss_curve.csv")
-        with open(path, "w", newline="") as f:
+        for r in results:
+            tail = r["losses"][-20:]
+            print(f"{r['mode']}: mean loss of the last 20 steps {statistics.mean(tail):.4f}")
+    if curve and out:
+        with open(os.path.join(out, "loss_curve.csv"), "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["step"] + [r["mode"] for r in results])
             for i in range(args.steps):
                 w.writerow([i + 1] + [r["losses"][i] for r in results])
-        for r in results:
-            tail = r["losses"][-20:]
-            print(f"{r['mode']}: mean loss of the last 20 steps {statistics.mean(tail):.4f}")
         try:
             import matplotlib
             matplotlib.use("Agg")
