@@ -3,10 +3,10 @@ the later ones do.
 
 Note: a process's first matrix multiply creates cuBLAS's and cuBLASLt's handles and
 workspaces, and the first use of each GEMM kernel loads it (CUDA loads modules lazily).
-On one H100 with the 1.3B workload the first step took 1.7-2.1x a steady one; the
-handles alone were about 0.1 s of it and the kernels of the model's own shapes another
-0.1 s (the kernels cuBLAS picks depend on the row count: a warm-up at 256 rows saved
-little; docs/benchmarks.md, "Cold start and the first steps"). The model's inputs are unknown before the first step, so the warm-up runs every
+Both land on the first training step, which then takes markedly longer than a steady one;
+the kernels cuBLAS picks depend on the row count, so a warm-up at a few rows does not load
+those a training batch uses (docs/benchmarks.md, "Cold start and the first steps", has the
+figures). The model's inputs are unknown before the first step, so the warm-up runs every
 distinct ``nn.Linear`` shape at ``batch.warm_up_rows`` rows on throw-away tensors: no
 parameter, gradient or optimizer state is touched, and under stage 3 the modules'
 partitioned weights are never gathered (the shapes come from ``in_features`` /

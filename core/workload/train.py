@@ -106,7 +106,8 @@ def _check_train_args(args) -> None:
 def cmd_train(args, overrides) -> int:
     # Note: the largest models fit only when freed blocks can be regrown in place; without
     # expandable segments the caching allocator's fragmentation cost a 4.9B model its last GiB
-    # on the H100 (docs/benchmarks.md). Read at the first CUDA allocation; a user's setting wins.
+    # on the H100 (docs/benchmarks.md, "Peak GPU memory beside PyTorch FSDP2"). Read at the first
+    # CUDA allocation; a user's setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 

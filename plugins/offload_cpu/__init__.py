@@ -81,8 +81,8 @@ class CPUOptions:
     delayed_update: bool = opt(
         False, "ZeRO-Offload's one-step delayed parameter update: after delayed_update_warmup exact steps, the "
                "CPU step of step t runs during the forward and backward of step t+1, which therefore sees the "
-               "parameters of step t-1 (stale by one step; not bit-identical to the exact path). It costs loss: "
-               "12.8% held-out on the built-in job, more on longer runs (docs/benchmarks.md). Costs one more "
+               "parameters of step t-1 (stale by one step; not bit-identical to the exact path). It costs loss, "
+               "more on longer runs (docs/benchmarks.md, \"Delayed parameter update\"). Costs one more "
                "host gradient buffer and one host model-dtype copy per element. docs/architecture.md, "
                "\"Delayed parameter update\", has what each forward sees and what a checkpoint holds.")
     delayed_update_warmup: int = opt(40, "Exact optimizer steps (counted by the optimizer's own step count, "
@@ -201,9 +201,9 @@ class CPUOffload(HostTier):
             # (docs/benchmarks.md). The rule looks at how the stage gathers, not at
             # overlap_step itself, so that switching overlap_step never changes which lane
             # steps what (values stay bit-identical between the overlapped and the serial step).
-            # Note: with several ranks on one host the lane cost speed (2 x H200, 1.3B stage 3
-            # + CPU offload: 12.5-12.8k tokens/s per GPU against 14.3-14.7k without): their
-            # streams share the host's memory bandwidth with every rank's CPU step.
+            # Note: with several ranks on one host the lane costs speed: their streams share
+            # the host's memory bandwidth with every rank's CPU step (docs/benchmarks.md,
+            # "Two GPUs under torchrun").
             from zeroplug.plugins.optim.cpu_cores import local_ranks
             alone = local_ranks() == 1
             return AUTO_GPU_STEP_RATIO if self.cuda and self.layout.gathers_per_unit and alone else 0.0

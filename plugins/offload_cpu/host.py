@@ -47,9 +47,9 @@ PUBLISH_CHUNK = 1 << 24
 #: DeepSpeed's configs carry ``reduce_bucket_size`` 5e8 and ``sub_group_size`` 1e9, sizes
 #: meant for collectives and NVMe buffers. In host memory they only delay the pipeline: a
 #: gradient bucket reaches the host once the last of its 5e8 elements is produced, and a
-#: stage-3 forward waits for the whole 1e9-element sub-group its first unit belongs to. On
-#: the 1.3B workload (one H100) 1e8 ran 6% (stage 2) and 10% (stage 3) faster than
-#: DeepSpeed's sizes (docs/benchmarks.md, "DeepSpeed's JSON as it is").
+#: stage-3 forward waits for the whole 1e9-element sub-group its first unit belongs to. 1e8
+#: runs the 1.3B workload faster than DeepSpeed's sizes on stages 2 and 3 (docs/benchmarks.md,
+#: "DeepSpeed's JSON as it is", has the figures).
 GRANULARITY = 100_000_000
 
 

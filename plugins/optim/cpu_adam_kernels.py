@@ -6,8 +6,8 @@ probing of the compiled one.
     whole sub-group: load p, g (any float dtype), m, v; compute in fp32; store p, m, v and
     optionally the bf16/fp16 copy.  ``dynamic=True``: one compilation per (adamw, grad
     dtype, lp dtype) serves every size and storage offset.  Needs a working C++ compiler
-    at run time; the first call of each variant compiles it (seconds; up to a minute with
-    a cold inductor cache) and checks it against the eager path on a 1M-element probe, for
+    at run time; the first call of each variant compiles it (slow with a cold inductor
+    cache; docs/benchmarks.md) and checks it against the eager path on a 1M-element probe, for
     results and for speed (a compiled kernel more than 1.3x slower than the eager path is
     not used).  Any failure falls back to ``eager`` with a warning.
 ``eager``
@@ -20,8 +20,8 @@ probing of the compiled one.
     all hit L2 instead of streaming the whole tensor 3 times.
 
 Measured and dropped: compiled calls per fixed-size chunk (``dynamic=False``), and torch
-ops / ``_foreach`` ops per L2-sized chunk, on intra-op threads or on a thread pool: 1.3-4x
-slower than one kernel over the sub-group (fork/join and dispatch overhead per chunk).
+ops / ``_foreach`` ops per L2-sized chunk, on intra-op threads or on a thread pool: slower
+than one kernel over the sub-group (fork/join and dispatch overhead per chunk).
 
 This module imports nothing from zeroplug (nor from :mod:`.cpu_adam`), so that the two
 files can be used on their own.
@@ -215,7 +215,7 @@ def remember_isa_checks(path: str) -> None:
     Note: before inductor builds a CPU kernel, or loads one from its cache, it asks which
     vector ISAs (AVX2, AVX-512, AMX, ...) the machine can use, by compiling a test program
     per candidate and loading it in a child Python, which imports torch on some versions:
-    10-20 s per check, in every process. The answer depends only on the CPU, the compiler
+    a slow check, in every process. The answer depends only on the CPU, the compiler
     and torch, which the directory of ``path`` is keyed by (the warm-up's cache), so each
     check runs once per machine: this wraps ``VecISA.check_build`` (every check goes
     through it) with a lookup in ``path``, and records new answers there. Where torch has
@@ -312,8 +312,8 @@ def compile_status() -> dict[str, Any]:
 
 
 # Probe size: inductor sizes its OpenMP parallelism from the first example it sees, even
-# with dynamic shapes (a 4K probe compiled a single-threaded kernel on a 16-core box:
-# 850 Mparams/s against 5,300 for ATen's fused kernel).  A large, odd probe keeps every
+# with dynamic shapes (a 4K probe compiled a single-threaded kernel, which on a many-core
+# machine is several times slower than ATen's fused kernel).  A large, odd probe keeps every
 # thread busy on any machine (>= min_chunk_size elements per thread up to ~2K threads).
 _PROBE_NUMEL = (1 << 20) + 3
 # A compiled variant slower than this factor x the eager path on the probe is not used.

@@ -5,7 +5,7 @@ graph (and the shared object it loads) is stored under ``TORCHINDUCTOR_CACHE_DIR
 the graph, torch's version and the inductor options (the kernel's thread count among them).
 A later process still traces the function (about a second) but loads the kernel instead of
 running the C++ compiler. Before inductor builds or loads a CPU kernel it checks which
-vector ISAs the machine can use, 10-20 s per check in every process; the warm-up keeps
+vector ISAs the machine can use, a slow check in every process; the warm-up keeps
 those answers in ``vector_isa_checks.json`` beside the cache, so they too are found once
 per machine (:func:`.cpu_adam_kernels.remember_isa_checks`). Inductor's default directory
 is under ``/tmp``, which containers and reboots empty; zeroplug points it at
@@ -22,10 +22,10 @@ compiler's modules while the stage allocates and pins the states; the kernel var
 follow as soon as the optimizer exists. At the end of ``initialize`` a machine that built
 these variants before (``cpu_adam_variants.json`` in the cache lists them) waits for them to
 load, so that no training step pays for any of it: no wait, and no Python work on a
-background thread competing with the training loop for the interpreter (the first steps
-ran 3-8x slower while the warm-up ran beside them). On the first run on a machine the
-build takes a minute or more; the steps then use the eager kernel until it is ready
-(``while_building``), or wait for it. On a host with several ranks, one builds while the
+background thread competing with the training loop for the interpreter (the module, checkpoint
+and gradient hooks of the first steps need it). On the first run on a machine the build is long
+(docs/benchmarks.md, "Cold start and the first steps", has the figures); the steps then use
+the eager kernel until it is ready (``while_building``), or wait for it. On a host with several ranks, one builds while the
 others wait on a file lock in the cache directory, then load what it built; variants built
 before load on every rank at once.
 """

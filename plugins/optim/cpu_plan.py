@@ -19,7 +19,7 @@
 
 ``[optimizer] threads`` and ``ZEROPLUG_CPU_ADAM_THREADS`` still set the thread count (the
 binding stays). Each rank prints one line, whatever the log level:
-``cpu plan: rank 0 cores 0-15, 12 optimizer threads, 2 copy threads, measured 9.8 G params/s``.
+``cpu plan: rank 0 cores 0-15, 12 optimizer threads, 2 copy threads, measured <rate> G params/s``.
 
 Note: binding happens first in ``initialize``, before the offload tiers allocate and pin
 their host buffers: Linux places a page on the NUMA node of the CPU that first touches it,

@@ -104,9 +104,8 @@ class Offloaded:
         alone (no step in flight, or ``u``'s sub-group waited for since the step began), so
         every rank gives the same one. With several ranks a gather is a collective; decided
         by each rank's CPU-step progress, the ranks started their gathers at different points
-        of the forward, and on two GPUs (NCCL, 1.3B stage 3 + CPU offload) the job hung in
-        2 runs of 2; decided by program order it ran to the end in 5 of 5
-        (docs/benchmarks.md, "DeepSpeed's JSON as it is")."""
+        of the forward, and a two-GPU job (NCCL, 1.3B stage 3 + CPU offload) hung; decided by
+        program order it runs to the end."""
         k = self.sub_group_of.get(u.index)
         if k is None:
             return True
