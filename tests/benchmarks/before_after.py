@@ -1,9 +1,9 @@
 """The speed of two versions of zeroplug, measured in one run on one machine.
 
     # where git is: each version's files into bench_trees/<name> (a git revision, or a directory)
-    python3 tests/benchmarks/before_after.py export main issue-I
+    python3 tests/benchmarks/before_after.py export main my-branch
     # on the GPU machine (the trees travel with the working tree): interleaved runs, a table
-    python3 tests/benchmarks/before_after.py run bench_trees/main bench_trees/issue-I --nvme-path /local_nvme
+    python3 tests/benchmarks/before_after.py run bench_trees/main bench_trees/my-branch --nvme-path /local_nvme
 
 Each version runs from its own tree, importable as ``zeroplug`` without installing it: the
 packages named in its pyproject.toml (``package-dir``) are linked into a private site

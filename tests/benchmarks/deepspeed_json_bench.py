@@ -1,6 +1,6 @@
 """DeepSpeed's own JSON configs, as they are, on the reference workload (shared/WORKLOAD.md).
 
-  python tests/benchmarks/deepspeed_json_bench.py                       # H100: the J table rows
+  python tests/benchmarks/deepspeed_json_bench.py                       # one H100: the offloaded rows
   python tests/benchmarks/deepspeed_json_bench.py --rows s2_offload --steps 5
   torchrun --nproc-per-node 2 tests/benchmarks/deepspeed_json_bench.py  # 2 GPUs: per-GPU rows
   python tests/benchmarks/deepspeed_json_bench.py --engine deepspeed    # DeepSpeed itself, same JSON
