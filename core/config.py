@@ -68,6 +68,7 @@ SLOT_TABLES = {
     "offload.optimizer": ("offload", "none"),
     "offload.param": ("offload", "none"),
     "monitor": ("monitor", "stdout"),
+    "activation_checkpointing": ("activations", "none"),
 }
 CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions}
 

@@ -88,6 +88,7 @@ class Engine:
         base = factory.lr or 1.0
         self._lr_scale = [g["lr"] / base for g in self.optimizer.param_groups]
         self.scheduler = build("scheduler", factory.lr)
+        self.activations = build("activation_checkpointing")
         self.monitors = [build("monitor")]
         for m in self.monitors:     # lifecycle plugins of this engine (slots.Monitor)
             name = f"zeroplug-monitor-{id(m):x}"
@@ -132,10 +133,14 @@ class Engine:
         self._require_states("forward")
         if self.tokens_per_sample is None:
             self.tokens_per_sample = sequence_length(kwargs.get("input_ids", inputs[0] if inputs else None))
-        if torch.is_grad_enabled():   # a training forward, not an evaluation
+        training = torch.is_grad_enabled()     # else an evaluation: nothing is saved for a backward
+        if training:
             self.metrics.forward()
         self.partitioner.before_forward()
-        return self.module(*inputs, **kwargs)
+        if not training:
+            return self.module(*inputs, **kwargs)
+        with self.activations.forward_context():
+            return self.module(*inputs, **kwargs)
 
     forward = __call__
 
@@ -329,6 +334,7 @@ class Engine:
             gc.unfreeze()
         self.offload_optimizer.close()
         self.offload_param.close()
+        self.activations.close()
         self.partitioner.close()      # its hooks on the model's parameters held every state alive
 
     # -- checkpoints (zeroplug.checkpoint) -------------------------------------------------

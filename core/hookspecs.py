@@ -84,6 +84,16 @@ def zeroplug_register_monitors(register):
     """
 
 
+@hookspec
+def zeroplug_register_activations(register):
+    """Register where checkpointed activations wait (the ``[activation_checkpointing]`` slot:
+    none keeps them on the device, cpu in host memory).
+
+    Called once at setup. ``register(name, cls)`` with ``cls`` following
+    :class:`zeroplug.slots.ActivationStore`. Returns nothing.
+    """
+
+
 # --- lifecycle ---------------------------------------------------------------
 
 @hookspec

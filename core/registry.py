@@ -30,6 +30,7 @@ SLOTS = {
     "scheduler": "zeroplug_register_schedulers",
     "offload": "zeroplug_register_offload_devices",
     "monitor": "zeroplug_register_monitors",
+    "activations": "zeroplug_register_activations",
 }
 
 

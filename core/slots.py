@@ -7,6 +7,7 @@ Optional ``check_config(config, choice)`` classmethods apply rules across slots.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -167,6 +168,34 @@ class Monitor:
 
     def close(self) -> None:
         pass
+
+
+class ActivationStore:
+    """Where the tensors that activation checkpointing saves for the backward (each checkpointed
+    block's inputs) wait for the block's recompute.
+
+    The model turns checkpointing on (``model.gradient_checkpointing_enable()``,
+    ``torch.utils.checkpoint``); the engine enters ``forward_context()`` around each training
+    forward (``torch.autograd.graph.saved_tensors_hooks`` fit there), so a store sees what the
+    forward saves and gives it back when the backward asks for it. Its values must be given back
+    bit for bit: the gradients are the same whichever store is chosen."""
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options, run: RunContext):
+        self.options, self.run = options, run
+
+    def forward_context(self):
+        """A context manager entered around one training forward (grad mode on)."""
+        return contextlib.nullcontext()
+
+    def host_bytes(self) -> int:
+        """Host memory it holds now (bytes)."""
+        return 0
+
+    def close(self) -> None:
+        """Called by ``engine.close()``."""
 
 
 class Partitioner:

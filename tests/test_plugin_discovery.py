@@ -17,7 +17,7 @@ from zeroplug.errors import ConfigError, PluginError
 from toy import ToyNet
 
 
-BUILTINS = ("zero", "precision", "optim", "schedulers", "offload_cpu", "monitors")
+BUILTINS = ("zero", "precision", "optim", "schedulers", "offload_cpu", "monitors", "activations")
 
 FAKE_SGD = '''
 from dataclasses import dataclass

@@ -24,7 +24,7 @@ _NVME_ONLY = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipelin
               "fast_init")
 #: zeroplug's own table names: a dict with none of DeepSpeed's keys is a zeroplug config
 _ZEROPLUG_TABLES = {"batch", "checkpoint", "zero", "precision", "optimizer", "scheduler", "offload", "monitor",
-                    "aio"}
+                    "aio", "activation_checkpointing"}
 
 
 @dataclass
