@@ -282,3 +282,19 @@ def test_gpu_forward_holds_less_by_the_block_inputs(buffer_count):
     # every block's input but the last feeds ln_f too; the ones still in flight may stay
     assert (GPU_CFG.n_layer - 1 - buffer_count) * block_input <= saved <= GPU_CFG.n_layer * block_input
     assert stats["offloaded"] == 2 * GPU_CFG.n_layer
+
+
+# --- DeepSpeed's activation_checkpointing section -------------------------------------------------
+
+@pytest.mark.parametrize("value, plugin", [(True, "cpu"), (False, "none"), ("true", "cpu")])
+def test_deepspeed_cpu_checkpointing_picks_the_store(value, plugin):
+    cfg = zeroplug.load_config({"train_batch_size": 2, "activation_checkpointing": {
+        "partition_activations": False, "cpu_checkpointing": value, "contiguous_memory_optimization": False,
+        "number_checkpoints": 4, "synchronize_checkpoint_boundary": False, "profile": False}})
+    assert cfg.slot("activation_checkpointing").name == plugin
+
+
+def test_deepspeed_cpu_checkpointing_must_be_a_boolean():
+    from zeroplug.errors import ConfigError
+    with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpointing = 2: use true or false"):
+        zeroplug.load_config({"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": 2}})

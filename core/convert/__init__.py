@@ -225,12 +225,23 @@ class _Translator:
         self.precision(ds)
         self.optimizer(self.table("optimizer", ds.get("optimizer")))
         self.scheduler(self.table("scheduler", ds.get("scheduler")))
+        self.activations(self.table("activation_checkpointing", ds.get("activation_checkpointing")))
         done = {*_BATCH, "zero_optimization", "fp16", "bf16", "bfloat16", "communication_data_type", "optimizer",
-                "scheduler"}
+                "scheduler", "activation_checkpointing"}
         for k, v in ds.items():
             if k not in done:
                 self.key(k, v, strict=False)
         return self.raw
+
+    def activations(self, ac: dict) -> None:
+        path = "activation_checkpointing.cpu_checkpointing"
+        cpu = self.value(path, ac.get("cpu_checkpointing", False))
+        if not isinstance(cpu, bool):
+            raise ConfigError(f"DeepSpeed key {path} = {_show(cpu)}: use true or false", key=path)
+        if cpu:
+            self.t.origin["activation_checkpointing.plugin"] = path
+            _set(self.raw, "activation_checkpointing.plugin", "cpu")
+        self.walk("activation_checkpointing", ac, skip=("cpu_checkpointing",))
 
     def batch(self, ds: dict) -> None:
         def number(v):

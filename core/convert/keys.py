@@ -336,10 +336,23 @@ RULES: dict[str, Rule] = {
                           "batch sizes given: set train_batch_size and train_micro_batch_size_per_gpu",
                           quiet=OFF),
     # --- sections that do not change the training step -------------------------------------
-    "activation_checkpointing": ignored(
-        "it configures deepspeed.checkpointing, which a model calls itself; use "
-        "model.gradient_checkpointing_enable() or torch.utils.checkpoint (recomputation, the same values)",
-        quiet=OFF),
+    "activation_checkpointing": moved("", "the keys below; the model turns checkpointing on itself "
+                                          "(model.gradient_checkpointing_enable() or torch.utils.checkpoint)"),
+    "activation_checkpointing.cpu_checkpointing": moved(
+        "activation_checkpointing.plugin", "true: \"cpu\", the checkpointed blocks' inputs wait in pinned host memory "
+        "for their recompute, as DeepSpeed's CPU checkpointing keeps them (without needing partition_activations); "
+        "false: \"none\""),
+    "activation_checkpointing.partition_activations": ignored(
+        "it splits each checkpointed activation across the model-parallel ranks; zeroplug has no model "
+        "parallelism, so each rank holds its own micro batch's whole activations", quiet=(False,)),
+    "activation_checkpointing.contiguous_memory_optimization": ignored(
+        "it copies the checkpoints into one preallocated buffer against fragmentation: " + _SPEED, quiet=(False,)),
+    "activation_checkpointing.number_checkpoints": ignored(
+        "the number of checkpoints contiguous_memory_optimization's buffer holds"),
+    "activation_checkpointing.synchronize_checkpoint_boundary": ignored(
+        "a device synchronisation at each checkpoint boundary, for profiling; the values trained are the same",
+        quiet=(False,)),
+    "activation_checkpointing.profile": ignored(_LOG, quiet=(False,)),
     "sparse_attention": ignored("it configures DeepSpeed's SparseSelfAttention modules, which a model must "
                                 "be built with; the engine does not change attention"),
     "compression_training": ignored("applied by deepspeed.compression.init_compression in the training "
