@@ -241,8 +241,11 @@ RULES: dict[str, Rule] = {
                                                      "buffers need none", quiet=(False,)),
     "zero_optimization.compute_grad_norm": ignored("zeroplug always computes the gradient norm (its overflow "
                                                    "check needs it)", quiet=(True,)),
-    "zero_optimization.zero_hpz_partition_size": ignored("ZeRO++ hierarchical partitioning: " + _SPEED,
-                                                         quiet=(1,)),
+    "zero_optimization.zero_hpz_partition_size": moved(
+        "zero.shard_group_size", "ZeRO++ hpZ (stage 3): a second copy of the parameters sharded within groups of this "
+        "size, so the backward's all-gathers stay in the group; zeroplug shards parameters, gradients and optimizer "
+        "states within the group (HSDP, printed as a note): the same values, every all-gather in the group, "
+        "optimizer states world / size times larger per rank. 1: off; below stage 3 ignored, as DeepSpeed does"),
     "zero_optimization.zero_quantized_weights": ignored(
         "ZeRO++ quantized communication; zeroplug communicates in full precision (exact, more bytes)",
         quiet=(False,)),
@@ -253,8 +256,12 @@ RULES: dict[str, Rule] = {
         quiet=(False,)),
     "zero_optimization.zeropp_loco_param": ignored("LoCo error feedback for quantized gradients, which "
                                                    "zeroplug does not quantize", quiet=(None,)),
-    "zero_optimization.mics_shard_size": ignored("MiCS sub-group sharding: " + _SPEED, quiet=(-1,)),
-    "zero_optimization.mics_hierarchical_params_gather": ignored(_SPEED, quiet=(False,)),
+    "zero_optimization.mics_shard_size": same("zero.shard_group_size", "MiCS (stage 3): parameters, gradients and "
+                                              "optimizer states sharded within groups of this size, replicated "
+                                              "across them; -1: off; below stage 3 ignored, as DeepSpeed does"),
+    "zero_optimization.mics_hierarchical_params_gather": ignored(
+        "MiCS's two-hop all-gather for groups that span hosts; zeroplug gathers within a group in one collective "
+        "(NCCL picks its algorithm across hosts): the same values", quiet=(False,)),
     "zero_optimization.stage3_model_persistence_threshold": ignored("caps the elements kept whole; memory "
                                                                     "only"),
     "zero_optimization.model_persistence_threshold": ignored("caps the elements kept whole; memory only"),

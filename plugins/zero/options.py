@@ -31,6 +31,12 @@ class ZeroOptions:
                                            "produced (always on: kept for DeepSpeed configs).")
     sub_group_size: int = opt(1e9, "Elements of a rank's shard stepped (and offloaded) at a time, or fewer "
                                    "where the offload tier takes less at a time (1e8 for cpu).", min=1)
+    shard_group_size: int = opt(
+        0, "Stages 1-3: shard the states within groups of this many consecutive ranks and replicate "
+           "them across the groups (HSDP; DeepSpeed's mics_shard_size): parameter all-gathers stay "
+           "within a group, gradients are reduce-scattered within it and all-reduced across groups; "
+           "set it to the GPUs per host (torchrun's --nproc-per-node) on several hosts. 0 = one group "
+           "of every rank; it must divide the world size.", min=0)
     stage3_prefetch_bucket_size: int | Literal["auto"] = opt(
         AUTO, "Stage 3: elements gathered ahead of use, following the recorded order; "
               "\"auto\" = 0.9 x hidden_size^2.", min=0)
@@ -103,6 +109,9 @@ def check_stage_config(cls, config, choice) -> None:
         raise ConfigError(f"offload.param.plugin = \"{param}\" needs the optimizer offloaded too: add "
                           f"[offload.optimizer] plugin = \"{param}\" (the fp32 masters update the "
                           "offloaded shards)", key="offload.param.plugin")
+    if cls.stage == 0 and config.raw.get("zero", {}).get("shard_group_size"):
+        logging.getLogger("zeroplug").warning(
+            "[zeroplug] zero.shard_group_size applies to stages 1-3; stage0 shards nothing and ignores it")
     if cls.stage < 3:
         given = [k for k in config.raw.get("zero", {}) if k.startswith("stage3_")]
         if given:

@@ -44,8 +44,10 @@ _pending: list = []
 class InitGroup:
     """The floating-point parameters of one module, sharded while the model was being built."""
 
-    def __init__(self, params, layout: FlatLayout, shard: torch.Tensor, comm, rank: int):
+    def __init__(self, params, layout: FlatLayout, shard: torch.Tensor, comm, rank: int, world=None):
+        # comm: the shard group (gathers); world: every rank (a modifier rank's writes, checks)
         self.params, self.layout, self.shard, self.comm, self.rank = params, layout, shard, comm, rank
+        self.world = world if world is not None else comm
 
     def index_of(self, p) -> int:
         return next(i for i, q in enumerate(self.params) if q is p)     # by identity, never ==
@@ -151,8 +153,9 @@ class PartitionedInit:
     on whole temporary copies, see the module docstring).
     """
 
-    def __init__(self, run, precision):
+    def __init__(self, run, precision, mesh=None):
         self.run, self.dtype = run, precision.param_dtype
+        self.shard_comm = mesh.shard if mesh is not None else run.comm     # groups.py
         self._patched: list[tuple[type, object]] = []
         self._hook = None
 
@@ -163,7 +166,7 @@ class PartitionedInit:
         if not names:
             return
         params = [module._parameters[n] for n in names]
-        world, rank = self.run.world_size, self.run.rank
+        world, rank = self.shard_comm.world_size, self.shard_comm.rank
         layout = FlatLayout.build(params, world)
         lo, hi = layout.shard_range(rank)
         shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.run.device)
@@ -171,7 +174,7 @@ class PartitionedInit:
             if not params[i].is_meta:     # meta: the values arrive later (from_pretrained, to_empty + init)
                 dst = layout.offsets[i] + a - lo
                 shard[dst:dst + b - a].copy_(params[i].data.reshape(-1)[a:b])
-        group = InitGroup([], layout, shard, self.run.comm, rank)
+        group = InitGroup([], layout, shard, self.shard_comm, rank, self.run.comm)
         for n, p in zip(names, params):
             if p.is_meta:       # a meta tensor cannot take real data: a new parameter object
                 q = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.run.device),
@@ -288,8 +291,8 @@ def gathered_init_params(params, modifier_rank=None):
             if not failed:
                 if modifier_rank is not None:
                     for g, w in zip(groups.values(), wholes):
-                        if g.layout.world_size > 1:
-                            g.comm.broadcast(w, src=modifier_rank)
+                        if g.world.distributed:
+                            g.world.broadcast(w, src=modifier_rank)
                         if g.layout.world_size == 1:
                             g.shard.copy_(w)
                         else:
@@ -298,7 +301,7 @@ def gathered_init_params(params, modifier_rank=None):
                     gs = list(groups.values())
                     written = sum(len(gs[i].params) for i, w in enumerate(wholes) if fingerprint(w) != before[i])
                     # every rank raises when any rank wrote (a rank left alone would hang later)
-                    if gs[0].comm.all_reduce_scalar(float(written)) > 0:
+                    if gs[0].world.all_reduce_scalar(float(written)) > 0:
                         raise written_error("parameters built by zeroplug.init")
         finally:
             for g in groups.values():

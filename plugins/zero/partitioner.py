@@ -19,6 +19,7 @@ import torch
 
 from zeroplug.errors import StateError
 from .flat_layout import FlatLayout
+from .groups import reduce_gradients, shard_mesh
 from .lp_grads import LowPrecisionGrads
 from zeroplug.param_groups import ParamGroups
 from zeroplug.slots import Partitioner, takes_grad_scale
@@ -47,8 +48,11 @@ class FlatPartitioner(Partitioner):
         self._trainability = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self.device = run.device
         self.pdtype, self.rdtype = precision.param_dtype, precision.reduce_dtype
-        self.layout_world = run.world_size if self.shard_optimizer else 1
-        self.layout_rank = run.rank if self.shard_optimizer else 0
+        # the ranks that shard the states between them, and those that hold the same shard (groups.py)
+        self.mesh = shard_mesh(run.comm, self.options.shard_group_size) if self.shard_optimizer else None
+        self.shard_comm = self.mesh.shard if self.mesh is not None else run.comm
+        self.layout_world = self.shard_comm.world_size if self.shard_optimizer else 1
+        self.layout_rank = self.shard_comm.rank if self.shard_optimizer else 0
         self.offload_optimizer, self.offload_param = offload_optimizer, offload_param
         h = hidden_size(module)
         o = self.options
@@ -235,7 +239,7 @@ class FlatPartitioner(Partitioner):
             out = buf
         elif self.options.reduce_scatter:
             out = torch.empty(u.hi - u.lo, dtype=buf.dtype, device=buf.device)
-            handle = self.comm.reduce_scatter(out, buf, async_op=True)
+            handle = reduce_gradients(self.mesh, out, buf)
         else:
             handle = self.comm.all_reduce(buf, async_op=True)
             out = buf
@@ -309,8 +313,8 @@ class FlatPartitioner(Partitioner):
         if self.offload is not None:
             sq = self.offload.take_norm_sq()
             if sq is not None:
-                if self.layout_world > 1:
-                    self.comm.all_reduce(sq)
+                if self.layout_world > 1:       # (the replicas hold the same shards)
+                    self.shard_comm.all_reduce(sq)
                 return sq
         if self.lp_grads is not None:
             return self.lp_grads.norm_sq(self.device)
@@ -321,7 +325,7 @@ class FlatPartitioner(Partitioner):
         sq = torch.stack([n.float() for n in norms]).pow(2).sum()
         if self.layout_world > 1:
             sq = sq.to(self.device)
-            self.comm.all_reduce(sq)
+            self.shard_comm.all_reduce(sq)
         return sq
 
     def zero_grad(self) -> None:
@@ -387,7 +391,7 @@ class FlatPartitioner(Partitioner):
                 for h in inflight:
                     h.wait()
                 inflight, n = [], 0
-            inflight.append(self.comm.all_gather(u.full, u.shard, async_op=True))
+            inflight.append(self.shard_comm.all_gather(u.full, u.shard, async_op=True))
             n += u.numel
         for h in inflight:
             h.wait()

@@ -26,6 +26,7 @@ from .flat_layout import FlatLayout
 from .partitioned_init import PartitionedInit, flush_pending, materialize
 from .leaves import find_leaves, owners, reachable_params
 from .options import hidden_size
+from .groups import shard_mesh
 from .partitioner import Stage2, _check_materialized
 from .unit import FREE, INFLIGHT, READY, Unit
 
@@ -87,15 +88,16 @@ class Stage3(Stage2):
         self.lp_from_master = (not o.stage3_low_precision_shards and not self.params_offloaded
                                and not offload_optimizer.capabilities.offloaded
                                and precision.param_dtype != torch.float32)
-        # Note: one rank gathering from its masters: a gather is a cast on the compute stream,
-        # with no collective or upload to overlap or to save, so nothing is prefetched or kept
-        # gathered for reuse (the backward's casts cost less than holding the forward's tail)
-        self.cast_only = self.run.world_size == 1 and self.lp_from_master
         flush_pending()
         self.leaves = set(find_leaves(module, o))
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
         super().setup(module, precision, offload_optimizer, offload_param, groups)
+        # Note: one rank (or a shard group of one) gathering from its masters: a gather is a cast
+        # on the compute stream, with no collective or upload to overlap or to save, so nothing is
+        # prefetched or kept gathered for reuse (the backward's casts cost less than holding the
+        # forward's tail)
+        self.cast_only = self.layout_world == 1 and self.lp_from_master
         self.trace_prev: list[int] = []
         self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
         self.trace_cur: list[int] = []
@@ -208,7 +210,7 @@ class Stage3(Stage2):
             unit.mark_free()
         elif group is not None and world > 1:     # the whole copy, gathered from the init shards
             unit.state = FREE
-            unit.start_gather(self.comm, self.upload)
+            unit.start_gather(self.shard_comm, self.upload)
             unit.wait_gather()
         if not unit.persistent:
             for p in params:
@@ -227,7 +229,7 @@ class Stage3(Stage2):
             self.offload.wait_unit(u)       # an overlapped step has published this unit
         if self.params_offloaded:
             self.offload_param.fetch(u.index)
-        u.start_gather(self.comm, self.upload)
+        u.start_gather(self.shard_comm, self.upload)
 
     def _release(self, u: Unit) -> None:
         u.release()
@@ -246,7 +248,7 @@ class Stage3(Stage2):
         self._stale.discard(u.index)
         if self.offload is not None:
             self.offload.wait_unit(u)
-        u.fill_full(self.comm, self.upload).wait()
+        u.fill_full(self.shard_comm, self.upload).wait()
 
     def _prefetch(self, order: list[int], start: int) -> None:
         """Start gathers for the units after position ``start`` of ``order``."""
@@ -423,7 +425,7 @@ class Stage3(Stage2):
             return
         if self.gathers_per_unit():
             persistent = [u for u in self.units if u.persistent]
-            handles = [u.fill_full(self.comm, self.upload) for u in persistent]
+            handles = [u.fill_full(self.shard_comm, self.upload) for u in persistent]
             for h in handles:
                 h.wait()
 
@@ -494,4 +496,4 @@ class Stage3(Stage2):
 
     @classmethod
     def construction_context(cls, options, run, precision):
-        return PartitionedInit(run, precision)
+        return PartitionedInit(run, precision, shard_mesh(run.comm, options.shard_group_size))
