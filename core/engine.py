@@ -22,11 +22,10 @@ import torch
 
 from . import config as config_mod
 from .comm import Comm
-from .errors import StateError, StepFailedError
+from .errors import PluginError, StateError, StepFailedError
 from zeroplug.gathering import forget_engine, register_engine
 from zeroplug.launch import start_process_group
 from zeroplug.observe.metrics import StepMetrics, sequence_length
-from zeroplug.warmup import warm_up_cuda
 from .registry import get_plugin_manager
 from .slots import RunContext, takes_grad_scale
 
@@ -107,13 +106,9 @@ class Engine:
         self.lr_step = 0              # steps taken: what the schedule counts
         self.tokens_per_sample: int | None = None
         self.states_offloaded: set[str] = set()
-        from zeroplug.offload_states import StateMover
-        self._mover = StateMover()
         self.metrics = StepMetrics(self.run.device)
-        self.phase_clock = self.metrics.clock     # phase_* metrics on reported steps
         self._set_lr(self.scheduler.lr_at(0))
-        warm_up_cuda(model, self.precision.param_dtype, run.device, b.warm_up_rows, run.comm,
-                     self.precision.reduce_dtype)
+        self.hook.zeroplug_engine_setup(engine=self)        # the CUDA warm-up (plugins/warmup)
         factory.ready()
         # Note: a full pass of the cyclic collector walks every tracked object (hundreds of
         # thousands once torch, a model and its libraries are loaded) and lands in whichever
@@ -136,6 +131,7 @@ class Engine:
         training = torch.is_grad_enabled()     # else an evaluation: nothing is saved for a backward
         if training:
             self.metrics.forward()
+            self.hook.zeroplug_phase(engine=self, phase="forward")
         self.partitioner.before_forward()
         if not training:
             return self.module(*inputs, **kwargs)
@@ -154,7 +150,7 @@ class Engine:
         after every micro-batch (DeepSpeed's loop; it steps at the boundary) or only at the
         boundary (the plain PyTorch loop); either way one optimizer step per window."""
         self._require_states("backward")
-        self.phase_clock.mark("backward")
+        self.hook.zeroplug_phase(engine=self, phase="backward")
         self.run.at_boundary = self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
         self.run.first_micro_step = self.micro_steps_in_window == 0
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
@@ -187,9 +183,9 @@ class Engine:
 
     def _boundary_step(self) -> None:
         part = self.partitioner
-        self.phase_clock.mark("wait_gradients")
+        self.hook.zeroplug_phase(engine=self, phase="wait_gradients")
         part.finish_gradients()
-        self.phase_clock.mark("optimizer")
+        self.hook.zeroplug_phase(engine=self, phase="optimizer")
         scale = self.precision.loss_scale
         norm = math.sqrt(part.grad_norm_sq().item()) / scale   # one host sync per step
         overflow = not math.isfinite(norm)
@@ -241,12 +237,15 @@ class Engine:
     def memory_report(self) -> dict:
         """Bytes held per category now (low-precision parameters, master, gradients, optimizer
         states, communication buckets, prefetch window; on CUDA the rest), device and host."""
-        from zeroplug.observe.memory import memory_report
-        # Note: sizes only, no values: no wait for an overlapped step (its refills gather
-        # across ranks, and the report may run on one rank alone)
-        return memory_report(self)
+        report = self.hook.zeroplug_memory_report(engine=self)
+        if report is None:
+            raise PluginError("engine.memory_report(): no plugin reports memory (the built-in \"observe\" "
+                              "plugin is blocked?): allow it in ZEROPLUG_PLUGINS_ALLOW / drop it from "
+                              "ZEROPLUG_PLUGINS_BLOCK")
+        return report
 
     def _report(self, norm: float, lr: float, skipped: bool) -> None:
+        self.hook.zeroplug_phase(engine=self, phase="other")     # the loop's own work until the next forward
         self.last_metrics = self.metrics.step_end(self, norm, lr, skipped)
         self.hook.zeroplug_step_end(engine=self, metrics=self.last_metrics)    # monitors write on "print" steps
 
@@ -305,13 +304,16 @@ class Engine:
         """Move training states off the device (``include``: names or OffloadStateTypeEnum;
         default all) into the offload tier ``device`` names: "cpu" (host memory), "nvme" (files
         under ``nvme_path``) or another registered tier. Harmless to repeat."""
-        self._mover.offload_engine(self, include, device, pin_memory, non_blocking, nvme_path)
+        from .offload_states import ALL_STATES, state_name
+        names = {state_name(s) for s in include} if include is not None else set(ALL_STATES)
+        tier = device.value if hasattr(device, "value") else str(device)
+        self.hook.zeroplug_offload_states(engine=self, include=names, device=tier, pin_memory=pin_memory,
+                                          non_blocking=non_blocking, nvme_path=nvme_path)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring every offloaded state back, bit-identical. Harmless when nothing is offloaded."""
-        self._mover.reload(non_blocking)
+        self.hook.zeroplug_reload_states(engine=self, non_blocking=non_blocking)
         self.states_offloaded.clear()
-        self.hook.zeroplug_reload_states(engine=self)
 
     def _require_states(self, what: str) -> None:
         if self.run.failed is not None:
@@ -329,7 +331,6 @@ class Engine:
         self.hook.zeroplug_engine_closed(engine=self)
         for m in self.monitors:
             self.plugin_manager.detach(f"zeroplug-monitor-{id(m):x}")
-        self._mover.close()
         if self._froze_gc:
             gc.unfreeze()
         self.offload_optimizer.close()

@@ -105,6 +105,26 @@ def zeroplug_engine_created(engine):
 
 
 @hookspec
+def zeroplug_engine_setup(engine):
+    """Called during ``zeroplug.initialize`` once the engine's states, optimizer and
+    schedule exist, before the ranks meet at its end: set-up work that every rank does and
+    that the first step should not pay for (the built-in ``warmup`` plugin runs the CUDA
+    warm-up here). Returns nothing.
+    """
+
+
+@hookspec
+def zeroplug_phase(engine, phase):
+    """Called as a step enters ``phase``: one of :data:`zeroplug.observe.phases.PHASES`
+    ("forward", "backward", "wait_gradients", "optimizer", and "other" when the step has
+    ended and the loop's own work begins). Called several times per micro-step, so keep
+    it cheap: record, do not synchronise (the built-in ``observe`` plugin records a CUDA
+    event or a clock reading and reports ``phase_*`` metrics in ``zeroplug_step_end``).
+    Returns nothing.
+    """
+
+
+@hookspec
 def zeroplug_step_begin(engine):
     """Called at the start of an optimizer step (gradient-accumulation boundary),
     after gradients are reduced and before they are unscaled, clipped and applied.
@@ -146,16 +166,35 @@ def zeroplug_checkpoint_state_load(engine, states):
 
 
 @hookspec
-def zeroplug_offload_states(engine, include, device):
-    """Called by ``engine.offload_states`` after the engine's own states moved,
-    with the set of state names and the target device. Returns nothing.
+def zeroplug_offload_states(engine, include, device, pin_memory, non_blocking, nvme_path):
+    """Called by ``engine.offload_states`` with the set of state names (``include``), the
+    tier's name (``device``: "cpu", "nvme" or another registered tier) and the call's
+    options. The built-in ``offload_states`` plugin moves the engine's own states first
+    (``tryfirst``); a plugin that holds device copies of its own moves them here too.
+    Returns nothing.
     """
 
 
 @hookspec
-def zeroplug_reload_states(engine):
-    """Called by ``engine.reload_states`` after the engine's own states came back.
-    Returns nothing.
+def zeroplug_reload_states(engine, non_blocking):
+    """Called by ``engine.reload_states``: every state offloaded comes back, bit-identical
+    (the built-in ``offload_states`` plugin first). Returns nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def zeroplug_state_devices(engine, state):
+    """Called by ``zeroplug.get_state_devices(engine, state)``: the set of devices where
+    the state named ``state`` lives now (offloaded data counts as ``cpu``), or None when
+    this plugin does not track offloaded states.
+    """
+
+
+@hookspec(firstresult=True)
+def zeroplug_memory_report(engine):
+    """Called by ``engine.memory_report()``: returns a dict of bytes held per category now
+    (low-precision parameters, masters, gradients, optimizer states, communication buckets,
+    prefetch window; device and host), or None. The built-in ``observe`` plugin answers.
     """
 
 

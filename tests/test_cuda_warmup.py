@@ -1,9 +1,9 @@
-"""The CUDA warm-up ``initialize`` runs (zeroplug.warmup): what it plans, that it runs
+"""The CUDA warm-up ``initialize`` runs (zeroplug.plugins.warmup): what it plans, that it runs
 on throw-away tensors only, and (on a GPU) that training is bit-for-bit the same with it."""
 import pytest
 import torch
 
-from zeroplug.warmup import MAX_OUTPUT_BYTES, MAX_SHAPES, plan, run_plan
+from zeroplug.plugins.warmup import MAX_OUTPUT_BYTES, MAX_SHAPES, plan, run_plan
 from zeroplug.errors import ConfigError
 from zeroplug.workload.models import GPT, get_preset
 from toy import ToyNet, engine_losses
@@ -58,7 +58,7 @@ def test_training_is_the_same_with_and_without_the_warm_up(stage):
 def _collectives_worker(rank, world):
     import torch.distributed as dist
     from zeroplug.comm import Comm
-    from zeroplug.warmup import warm_up_collectives
+    from zeroplug.plugins.warmup import warm_up_collectives
     comm = Comm()
     n = warm_up_collectives(comm, torch.device("cpu"), (torch.bfloat16, torch.float32, torch.float32))
     t = torch.full((4,), float(rank + 1))

@@ -78,9 +78,9 @@ class Recorder:
         self.calls.append(("zeroplug_checkpoint_state_load", {"engine": engine, "states": states}))
 
     @zeroplug.hookimpl
-    def zeroplug_offload_states(self, engine, include, device):
+    def zeroplug_offload_states(self, engine, include, device, pin_memory, non_blocking, nvme_path):
         self.calls.append(("zeroplug_offload_states", {"engine": engine, "include": set(include),
-                                                      "device": device}))
+                                                      "device": device, "offloaded": set(engine.states_offloaded)}))
 
     @zeroplug.hookimpl
     def zeroplug_reload_states(self, engine):
@@ -89,6 +89,25 @@ class Recorder:
     @zeroplug.hookimpl
     def zeroplug_engine_closed(self, engine):
         self.calls.append(("zeroplug_engine_closed", {"engine": engine, "step": engine.global_step}))
+
+    @zeroplug.hookimpl
+    def zeroplug_engine_setup(self, engine):
+        self.calls.append(("zeroplug_engine_setup", {"engine": engine, "has_optimizer": hasattr(engine, "optimizer"),
+                                                    "created": bool(self.of("zeroplug_engine_created"))}))
+
+    @zeroplug.hookimpl
+    def zeroplug_phase(self, engine, phase):
+        self.calls.append(("zeroplug_phase", {"engine": engine, "phase": phase, "step": engine.global_step}))
+
+    @zeroplug.hookimpl
+    def zeroplug_state_devices(self, engine, state):
+        self.calls.append(("zeroplug_state_devices", {"engine": engine, "state": state}))
+        return None         # tracks nothing: the built-in plugin answers
+
+    @zeroplug.hookimpl
+    def zeroplug_memory_report(self, engine):
+        self.calls.append(("zeroplug_memory_report", {"engine": engine}))
+        return None         # the built-in plugin answers
 
 
 def _make_impl(slot):
@@ -170,6 +189,51 @@ def test_engine_created():
     engine.close()
 
 
+def test_engine_setup_before_created():
+    rec = Recorder()
+    engine = make_engine(rec)
+    calls = rec.of("zeroplug_engine_setup")
+    assert len(calls) == 1 and calls[0]["engine"] is engine
+    assert calls[0]["has_optimizer"] and not calls[0]["created"]
+    engine.close()
+
+
+def test_phases_in_step_order_and_phase_metrics():
+    rec = Recorder()
+    engine = make_engine(rec, gas=2)
+    train(engine, 2)                                 # 2 micro steps, 1 optimizer step
+    phases = [c["phase"] for c in rec.of("zeroplug_phase")]
+    assert phases == ["forward", "backward", "forward", "backward", "wait_gradients", "optimizer", "other"]
+    m = engine.last_metrics                          # step 1 is a print step: the observe plugin's readings
+    assert m["phase_forward"] > 0 and m["phase_backward"] > 0 and m["phase_optimizer"] > 0
+    assert "memory_report" in m and "bytes per trainable parameter" in m["memory_report"]
+    engine.close()
+
+
+def test_memory_report_and_state_devices_come_from_plugins(monkeypatch):
+    rec = Recorder()
+    engine = make_engine(rec)
+    train(engine, 1)
+    report = engine.memory_report()
+    assert report["device"]["lp_params"] > 0         # the built-in observe plugin answered
+    assert rec.of("zeroplug_memory_report")[-1]["engine"] is engine
+    assert zeroplug.get_state_devices(engine, "lp_params") == {torch.device("cpu")}
+    assert rec.of("zeroplug_state_devices")[-1]["state"] == "lp_params"
+    engine.close()
+    monkeypatch.setenv("ZEROPLUG_PLUGINS_BLOCK", "observe")      # without it: training works, the report names why not
+    registry.reset_plugin_manager()
+    try:
+        bare = make_engine(Recorder())
+        train(bare, 1)
+        assert "phase_forward" not in bare.last_metrics and "loss" in bare.last_metrics
+        with pytest.raises(zeroplug.PluginError, match="no plugin reports memory"):
+            bare.memory_report()
+        bare.close()
+    finally:
+        monkeypatch.delenv("ZEROPLUG_PLUGINS_BLOCK")
+        registry.reset_plugin_manager()
+
+
 def test_step_begin_once_per_optimizer_step():
     rec = Recorder()
     engine = make_engine(rec, gas=2)
@@ -240,6 +304,7 @@ def test_offload_and_reload_states():
     assert len(calls) == 1 and calls[0]["engine"] is engine
     assert calls[0]["include"] >= {"optim_states", "hp_params"}
     assert str(calls[0]["device"]) == "cpu"
+    assert calls[0]["offloaded"] == calls[0]["include"]     # the built-in plugin moved them first (tryfirst)
     assert rec.of("zeroplug_reload_states") == []
     engine.reload_states()
     assert len(rec.of("zeroplug_reload_states")) == 1
@@ -350,6 +415,10 @@ COVERED = {
     "zeroplug_reload_states": "test_offload_and_reload_states",
     "zeroplug_engine_closed": "test_engine_closed_and_monitors_are_hook_implementations",
     "zeroplug_gathered_params": "test_gathered_params_hook",
+    "zeroplug_engine_setup": "test_engine_setup_before_created",
+    "zeroplug_phase": "test_phases_in_step_order_and_phase_metrics",
+    "zeroplug_memory_report": "test_memory_report_and_state_devices_come_from_plugins",
+    "zeroplug_state_devices": "test_memory_report_and_state_devices_come_from_plugins",
 }
 
 

@@ -2,11 +2,11 @@
 
 Every step gets ``step``, ``lr``, ``loss_scale``, ``grad_norm``, ``skipped``,
 ``skipped_steps`` and ``step_time`` (wall time since the previous step ended; for the first
-step, since its first forward began) plus the
-phase times (``phase_*``, :mod:`zeroplug.observe.phases`); a printed step (every
-``steps_per_print`` and the first), and every step when a monitor records every step
-(``record``), adds the loss, throughput and memory readings, and the
-first step the memory report (the persistent states exist from there on).
+step, since its first forward began); a printed step (every ``steps_per_print`` and the
+first), and every step when a monitor records every step (``record``), adds the loss,
+throughput and memory readings. Plugins add their own keys in ``zeroplug_step_end``
+(the built-in ``observe`` plugin: the phase times ``phase_*`` and, after the first step,
+the memory report).
 
 Note: samples/s and tokens/s are the step's samples (tokens) over ``step_time``, the wall
 time between two step ends: it holds everything the loop waited for, the forward and
@@ -19,13 +19,11 @@ import time
 
 import torch
 
-from .memory import device_memory, format_memory_report, host_rss_bytes
-from .phases import PhaseClock
+from .memory import device_memory, host_rss_bytes
 
 
 class StepMetrics:
     def __init__(self, device: torch.device):
-        self.clock = PhaseClock(device)
         self.last_step_end: float | None = None
         self.timed = (0, 0.0)           # (steps, seconds) for the running average
         self.loss_sum: torch.Tensor | None = None
@@ -34,7 +32,6 @@ class StepMetrics:
         """A training forward begins (the first one starts the first step's wall time)."""
         if self.last_step_end is None:
             self.last_step_end = time.perf_counter()
-        self.clock.mark("forward")
 
     def backward(self, loss: torch.Tensor) -> None:
         """A micro-step's loss (detached) joins the window's sum."""
@@ -44,7 +41,6 @@ class StepMetrics:
         self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
 
     def step_end(self, engine, norm: float, lr: float, skipped: bool) -> dict:
-        self.clock.mark("other")     # the loop's own work until the next forward
         now = time.perf_counter()
         dt = now - (self.last_step_end or now)
         self.last_step_end = now
@@ -67,11 +63,7 @@ class StepMetrics:
             metrics.update(loss=loss, samples_per_sec=cur, avg_samples_per_sec=batch * n / t if t > 0 else cur,
                            tokens_per_sec=cur * (engine.tokens_per_sample or 0),
                            mem_allocated=alloc, max_mem_allocated=peak, host_rss=host_rss_bytes())
-        metrics.update(self.clock.take(keep=metrics["record"]))
         self.loss_sum = None
-        if engine.global_step == 1 and metrics["print"]:
-            trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-            metrics["memory_report"] = format_memory_report(engine.memory_report(), trainable)
         return metrics
 
 

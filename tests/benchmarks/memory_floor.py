@@ -146,7 +146,7 @@ def measure(model_name: str, config, device, steps: int, warmup: int) -> dict:
                    loss=loss)
         engine = getattr(runner, "engine", None)
         if hasattr(engine, "memory_report"):        # (a zeroplug engine)
-            from zeroplug.observe.memory import format_memory_report
+            from zeroplug.plugins.observe.memory import format_memory_report
             from zeroplug.workload.models import param_count
             n = param_count(cfg)        # (stage 3's parameters are sharded: counted from the config)
             out["report"] = engine.memory_report()["device"]

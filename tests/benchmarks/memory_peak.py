@@ -96,7 +96,7 @@ def main():
         print(f"  {size / G:7.3f} GiB  {label}")
     engine = getattr(runner, "engine", None)
     if engine is not None:
-        from zeroplug.observe.memory import format_memory_report
+        from zeroplug.plugins.observe.memory import format_memory_report
         from zeroplug.workload.models import param_count
         print(format_memory_report(engine.memory_report(), param_count(cfg)))
 

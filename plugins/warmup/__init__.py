@@ -1,4 +1,4 @@
-"""The CUDA warm-up ``initialize`` runs, so that the first training step costs about what
+"""The CUDA warm-up ``initialize`` runs (a built-in plugin on ``zeroplug_engine_setup``), so that the first training step costs about what
 the later ones do.
 
 Note: a process's first matrix multiply creates cuBLAS's and cuBLASLt's handles and
@@ -24,6 +24,8 @@ import logging
 import time
 
 import torch
+
+from zeroplug import hookimpl
 
 log = logging.getLogger("zeroplug")
 
@@ -111,3 +113,11 @@ def warm_up_cuda(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
         log.info("[zeroplug] CUDA warm-up: cuBLAS set up, %d Linear shape(s) run forward and backward at "
                  "up to %d rows, %d collective(s) in %.2f s (batch.warm_up_rows)", done, rows, collectives,
                  time.perf_counter() - t0)
+
+
+@hookimpl
+def zeroplug_engine_setup(engine):
+    """Every rank warms its kernels and collectives before the ranks meet at the end of
+    ``initialize`` (``batch.warm_up_rows`` rows per ``nn.Linear`` shape; 0 turns it off)."""
+    warm_up_cuda(engine.module, engine.precision.param_dtype, engine.run.device,
+                 engine.config.batch.warm_up_rows, engine.run.comm, engine.precision.reduce_dtype)
