@@ -298,3 +298,51 @@ def test_deepspeed_cpu_checkpointing_must_be_a_boolean():
     from zeroplug.errors import ConfigError
     with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpointing = 2: use true or false"):
         zeroplug.load_config({"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": 2}})
+
+
+# --- zeroplug estimate and tune ----------------------------------------------------------------
+
+def test_estimate_moves_the_checkpointed_inputs_to_the_host_column(capsys):
+    from zeroplug.cli import main
+    args = ["estimate", "--model", "char-tiny", "--micro-batch", "128", "--seq", "128", "--device", "cpu"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--activations-on-host"]) == 0
+    moved = capsys.readouterr().out
+
+    def row(text):     # stage 3, everything offloaded: (device GiB, host GiB)
+        line = next(ln for ln in text.splitlines() if ln.split()[:2] == ["3", "param+optim"])
+        return float(line.split()[2]), float(line.split()[3])
+    inputs = 4 * 128 * 128 * 128 * 4 / 2 ** 30         # 4 blocks' fp32 inputs, micro batch 128 x 128
+    assert f"the checkpointed blocks' inputs {inputs:.3f} GiB" in plain
+    (d0, h0), (d1, h1) = row(plain), row(moved)
+    assert h1 - h0 == pytest.approx(inputs, abs=0.011)          # (the columns are rounded to 0.01)
+    assert d0 - d1 == pytest.approx(inputs / 2, abs=0.011)      # buffer_count (2) of 4 stay in flight
+    assert main(["estimate", "--params", "1e9", "--activations-on-host"]) == 2
+    assert "--activations-on-host needs --micro-batch" in capsys.readouterr().err
+
+
+def test_tune_proposes_activations_on_the_host_only_when_the_gpu_is_short():
+    from zeroplug.tools.probe import Activations
+    from zeroplug.tools.tune import Candidate, Machine, config_for, estimate, reject_reason, with_activations_on_host
+    GiB = 2 ** 30
+    acts = Activations(total=20 * GiB, fixed=4 * GiB, per_layer=0.5 * GiB, checkpointed=8 * GiB, layers=32)
+
+    def machine(free):
+        return Machine(torch.device("cuda"), "H100", free * GiB, 500 * GiB, None, 0.0)
+    n = 1_000_000_000
+    for free, expect in ((60.0, False), (20.0, True)):
+        m = machine(free)
+        c = Candidate(1, 2, "cpu")
+        estimate(c, n, acts, m)
+        v = with_activations_on_host(c, n, acts, m)
+        assert (v is not None) == expect
+    assert reject_reason(c, m) is not None and reject_reason(v, m) is None
+    assert c.est_device - v.est_device == pytest.approx(8 * GiB - 2 * 0.25 * GiB)
+    assert v.est_host - c.est_host == pytest.approx(8 * GiB)
+    assert v.name == "stage2 + optimizer on CPU + activations on CPU"
+    cfg = config_for(v, 8, m, 1e-4, False)
+    assert cfg["activation_checkpointing"] == {"plugin": "cpu"}
+    assert zeroplug.load_config(cfg).slot("activation_checkpointing").name == "cpu"
+    no_ckpt = Activations(total=20 * GiB, layers=32)          # nothing checkpointed: nothing to move
+    assert with_activations_on_host(c, n, no_ckpt, m) is None

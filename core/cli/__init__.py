@@ -61,6 +61,8 @@ def cmd_estimate(args, overrides) -> int:
     from zeroplug.observe.memory import GB
     from zeroplug.tools.probe import estimate_model_states
     act = None
+    if args.activations_on_host and not args.micro_batch:
+        raise ZeroplugError("--activations-on-host needs --micro-batch (a probe step measures the activations)")
     if args.params:
         if args.micro_batch:
             raise ZeroplugError("--micro-batch measures a model's activations: give --model, not --params")
@@ -70,9 +72,15 @@ def cmd_estimate(args, overrides) -> int:
         n, act, seq = estimate_inputs(args.model, args.micro_batch, args.seq, args.device)
     print(f"{'model states' if act is None else 'memory'} per rank for {n:,} parameters, world size "
           f"{args.world_size}, {'fp32' if args.param_bytes == 4 else '16-bit'} parameters (Adam):")
+    act_device, act_host = act.split(args.activations_on_host) if act is not None else (0.0, 0.0)
     if act is not None:
         print(f"activations: {act.total / GB:.3f} GiB per rank for micro batch {args.micro_batch} x sequence "
-              f"{seq} ({act.how}); in the device column")
+              f"{seq} ({act.how}); of them, the checkpointed blocks' inputs {act.checkpointed / GB:.3f} GiB")
+        print(f"  {act_device / GB:.3f} GiB in the device column"
+              + (f", {act_host / GB:.3f} GiB in the host column ([activation_checkpointing] plugin = \"cpu\")"
+                 if args.activations_on_host else
+                 " (--activations-on-host: the checkpointed blocks' inputs in host memory)" if act.checkpointed
+                 else ""))
     print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}   device by category (GiB; "
           "engine.memory_report()'s names, gradients as at the step)")
     for stage in (0, 1, 2, 3):
@@ -80,7 +88,7 @@ def cmd_estimate(args, overrides) -> int:
             if off_par and stage < 3 or off_opt and stage == 0:
                 continue
             e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
-                                      act.total if act else 0.0)
+                                      act_device, act_host)
             label = "param+optim" if off_par else "optim" if off_opt else "none"
             cats = " | ".join(f"{k} {v / GB:.2f}" for k, v in e["device_categories"].items() if v)
             print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}   {cats or '-'}")
@@ -199,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq", type=int, help="sequence length of the probe (default 1024, or the model's "
                                            "longest if shorter)")
     e.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"], help="where the probe runs")
+    e.add_argument("--activations-on-host", action="store_true",
+                   help="count the checkpointed blocks' inputs in host memory, as [activation_checkpointing] "
+                        "plugin = \"cpu\" keeps them (with --micro-batch)")
     e.set_defaults(fn=cmd_estimate)
     from zeroplug.tools import report, tune
     tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core

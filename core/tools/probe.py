@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from zeroplug.errors import ZeroplugError
+from zeroplug.recompute import saved_by_checkpoint
 
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _POSITION_KEYS = ("max_position_embeddings", "n_positions")
@@ -162,10 +163,24 @@ class Activations:
     fixed: float = 0.0           # embeddings, head, loss
     per_layer: float = 0.0
     how: str = ""
+    #: of ``total``, the checkpointed blocks' inputs: what [activation_checkpointing] plugin =
+    #: "cpu" keeps in host memory (0 without activation checkpointing)
+    checkpointed: float = 0.0
+    layers: int = 1
+
+    def split(self, on_host: bool, buffer_count: int = 2) -> tuple[float, float]:
+        """(device bytes, host bytes) of the activations, with the checkpointed blocks' inputs
+        on the host or not; on the host, up to ``buffer_count`` of them are on the device too
+        (copies in flight, inputs fetched ahead)."""
+        if not on_host or not self.checkpointed:
+            return self.total, 0.0
+        one = self.checkpointed / max(1, self.layers)
+        return self.total - self.checkpointed + min(buffer_count, self.layers) * one, self.checkpointed
 
 
 def _probe_once(spec: ModelSpec, layers: int | None, batch: Callable, device: torch.device,
-                dtype: torch.dtype) -> float:
+                dtype: torch.dtype) -> tuple[float, float]:
+    """(activation bytes, of which the checkpointed blocks' inputs) of one step."""
     from zeroplug.benchmarking.measure import _forward, _loss_of, release
     torch.manual_seed(0)
     with torch.device(device):
@@ -177,11 +192,14 @@ def _probe_once(spec: ModelSpec, layers: int | None, batch: Callable, device: to
     release(device)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
+    checkpointed: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in params and storage.device.type != "meta":
             saved[storage.data_ptr()] = storage.nbytes()
+            if not (t.is_leaf and t.requires_grad) and saved_by_checkpoint():
+                checkpointed[storage.data_ptr()] = storage.nbytes()
         return t
 
     if device.type == "cuda":
@@ -199,7 +217,7 @@ def _probe_once(spec: ModelSpec, layers: int | None, batch: Callable, device: to
         used = sum(saved.values())
     del model, inputs, loss
     release(device)
-    return max(0.0, float(used))
+    return max(0.0, float(used)), float(sum(checkpointed.values()))
 
 
 def measure_activations(spec: ModelSpec, micro_batch: int, seq: int, device: torch.device,
@@ -207,14 +225,18 @@ def measure_activations(spec: ModelSpec, micro_batch: int, seq: int, device: tor
     """Activation bytes of one micro-batch, measured on ``device`` (see the module's docstring)."""
     batch = spec.make_batch(micro_batch, seq)
     if spec.n_layer and spec.n_layer > 2:
-        one = _probe_once(spec, 1, batch, device, dtype)
-        two = _probe_once(spec, 2, batch, device, dtype)
+        one, ck_one = _probe_once(spec, 1, batch, device, dtype)
+        two, ck_two = _probe_once(spec, 2, batch, device, dtype)
         per_layer = max(0.0, two - one)
         fixed = max(0.0, one - per_layer)
-        return Activations(fixed + spec.n_layer * per_layer, fixed, per_layer,
-                           f"measured on {device.type} at 1 and 2 layers, extrapolated to {spec.n_layer}")
-    total = _probe_once(spec, None, batch, device, dtype)
-    return Activations(total, total, 0.0, f"measured on {device.type}, whole model")
+        ck = max(0.0, ck_one - max(0.0, ck_two - ck_one)) + spec.n_layer * max(0.0, ck_two - ck_one)
+        total = fixed + spec.n_layer * per_layer
+        return Activations(total, fixed, per_layer,
+                           f"measured on {device.type} at 1 and 2 layers, extrapolated to {spec.n_layer}",
+                           checkpointed=min(ck, total), layers=spec.n_layer)
+    total, ck = _probe_once(spec, None, batch, device, dtype)
+    return Activations(total, total, 0.0, f"measured on {device.type}, whole model", checkpointed=min(ck, total),
+                       layers=spec.n_layer or 1)
 
 
 def estimate_inputs(model: str, micro_batch: int | None, seq: int | None, device: str,
@@ -242,7 +264,8 @@ CATEGORIES = ("lp_params", "master", "gradients", "optimizer")   # engine.memory
 
 def estimate_model_states(num_params: int, stage: int, world_size: int,
                           param_bytes: int = 2, offload_optimizer: bool = False,
-                          offload_param: bool = False, activations: float = 0.0) -> dict:
+                          offload_param: bool = False, activations: float = 0.0,
+                          host_activations: float = 0.0) -> dict:
     """Bytes per rank at the optimizer step, by ``engine.memory_report()``'s categories, on the
     device and on the host, as zeroplug lays the states out (Adam, fp32 masters):
 
@@ -256,7 +279,9 @@ def estimate_model_states(num_params: int, stage: int, world_size: int,
       gradient accumulation and a fused optimizer, the defaults);
     * optimizer: Adam's two fp32 moments.
 
-    ``device`` adds ``activations`` (one micro-batch's; no stage shards them)."""
+    ``device`` adds ``activations`` (one micro-batch's; no stage shards them), ``host`` adds
+    ``host_activations`` (the checkpointed blocks' inputs the cpu activation store holds there;
+    see :meth:`Activations.split`)."""
     n = max(1, world_size)
     sharded = lambda b, from_stage: num_params * b / (n if stage >= from_stage else 1)   # noqa: E731
     fp32 = param_bytes == 4
@@ -277,5 +302,6 @@ def estimate_model_states(num_params: int, stage: int, world_size: int,
     host = {k: v for k, v in cats.items() if where.get(k)}
     if offload_optimizer:       # the fp32 gradient shard lives with the master
         device["gradients"], host["gradients"] = flat, grad32
-    return {"device": sum(device.values()) + activations, "host": sum(host.values()),
-            "device_categories": device, "host_categories": host, "activations": activations}
+    return {"device": sum(device.values()) + activations, "host": sum(host.values()) + host_activations,
+            "device_categories": device, "host_categories": host, "activations": activations,
+            "host_activations": host_activations}

@@ -38,6 +38,7 @@ class Candidate:
     stage: int
     optimizer: str = "none"      # where the optimizer states live: none (the device) | cpu | nvme
     param: str = "none"          # stage 3's parameters: none | cpu | nvme
+    activations: str = "none"    # the checkpointed blocks' inputs: none (the device) | cpu
     est_device: float = 0.0
     est_host: float = 0.0
     est_disk: float = 0.0
@@ -49,7 +50,8 @@ class Candidate:
         where = {(_CPU, "none"): " + optimizer on CPU", (_CPU, _CPU): " + optimizer and parameters on CPU",
                  (_NVME, "none"): " + optimizer on NVMe", (_NVME, _CPU): " + optimizer on NVMe, parameters on CPU",
                  (_NVME, _NVME): " + optimizer and parameters on NVMe"}
-        return f"stage{self.stage}" + where.get((self.optimizer, self.param), "")
+        acts = " + activations on CPU" if self.activations == _CPU else ""
+        return f"stage{self.stage}" + where.get((self.optimizer, self.param), "") + acts
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,18 +112,22 @@ def config_for(c: Candidate, micro_batch: int, machine: Machine, lr: float, meas
                 table["nvme_path"] = machine.nvme_path
         if machine.device.type == "cuda":    # what docs/benchmarks.md's offloaded rows measured
             cfg["zero"].update(reduce_bucket_size=SUB_GROUP, sub_group_size=SUB_GROUP)
+    if c.activations != "none":
+        cfg["activation_checkpointing"] = {"plugin": c.activations}
     if measuring:
         cfg["batch"]["steps_per_print"] = 1      # the engine's phase timings on every step
         cfg["monitor"] = {"plugin": "none"}
     return cfg
 
 
-def estimate(c: Candidate, n_params: int, activations: float, machine: Machine) -> None:
-    """Fill ``c``'s estimated device, host and disk bytes."""
+def estimate(c: Candidate, n_params: int, activations, machine: Machine) -> None:
+    """Fill ``c``'s estimated device, host and disk bytes (``activations``: a
+    :class:`zeroplug.tools.probe.Activations`)."""
     from .probe import estimate_model_states
     param_bytes = 2 if machine.device.type == "cuda" else 4
+    on_device, on_host = activations.split(c.activations == _CPU)
     e = estimate_model_states(n_params, c.stage, 1, param_bytes, c.optimizer != "none", c.param != "none",
-                              activations)
+                              on_device, on_host)
     c.est_device, c.est_host, c.est_disk = e["device"], e["host"], 0.0
     host = e["host_categories"]
     if c.optimizer == _NVME:       # the states go to disk; up to 3 sub-groups in flight stay in memory
@@ -150,6 +156,17 @@ def reject_reason(c: Candidate, machine: Machine) -> str | None:
     if c.est_disk > HEADROOM * machine.disk_free:
         return f"estimated {c.est_disk / GiB:.1f} GiB on disk > {machine.disk_free / GiB:.1f} GiB free"
     return None
+
+
+def with_activations_on_host(c: Candidate, n_params: int, activations, machine: Machine) -> Candidate | None:
+    """The same candidate with the checkpointed blocks' inputs in host memory, when ``c`` was
+    rejected for the GPU's memory and the model checkpoints activations; else None."""
+    if (machine.device.type != "cuda" or c.activations != "none" or not activations.checkpointed
+            or c.est_device <= HEADROOM * machine.device_free):
+        return None
+    v = Candidate(c.tier, c.stage, c.optimizer, c.param, activations=_CPU)
+    estimate(v, n_params, activations, machine)
+    return v
 
 
 @dataclass
@@ -183,16 +200,26 @@ def tune(spec, micro_batch: int, seq: int, device: torch.device, nvme_path: str 
         acts = measure_activations(spec, micro_batch, seq, device, dtype)
     else:
         acts = Activations(activation_bytes, how="given with --activations-gib")
-    log(f"tune: activations {acts.total / GiB:.2f} GiB ({acts.how})")
+    log(f"tune: activations {acts.total / GiB:.2f} GiB ({acts.how}); the checkpointed blocks' inputs "
+        f"{acts.checkpointed / GiB:.2f} GiB of them (on the host when the GPU is short)")
     result = TuneResult(spec.name, n_params, micro_batch, seq, acts, machine, steps=steps, warmup=warmup, lr=lr)
     build = spec.build
     make_batch = spec.make_batch(micro_batch, seq)
     best, stop, tried = None, None, 0
+
+    def candidates(proto):
+        c = Candidate(proto.tier, proto.stage, proto.optimizer, proto.param)
+        estimate(c, n_params, acts, machine)
+        yield c
+        # Note: only where the GPU's memory is what rejects it: a candidate that fits runs
+        # faster with its activations on the device
+        v = with_activations_on_host(c, n_params, acts, machine)
+        if v is not None:
+            yield v
+
     for tier in TIERS:
-        for proto in tier:
-            c = Candidate(proto.tier, proto.stage, proto.optimizer, proto.param)
+        for c in (c for proto in tier for c in candidates(proto)):
             result.candidates.append(c)
-            estimate(c, n_params, acts.total, machine)
             why = reject_reason(c, machine)
             if why:
                 c.verdict = f"rejected: {why}"

@@ -1,13 +1,10 @@
 """Checkpointed blocks' inputs in host memory from the forward to the block's recompute.
 
-``torch.utils.checkpoint`` keeps what a checkpointed block needs for its recompute, the
-block's tensor inputs, as saved tensors of autograd: the reentrant variant through its
-autograd Function, the non-reentrant one just before it takes over the saving of everything
-inside the block (nested checkpoints then save through the outer one, never through these
-hooks). ``saved_tensors_hooks`` entered around the model's forward see those saves among the
-ones made outside checkpointed blocks (the embeddings, the head, the loss); only the former
-leave the device, told apart by who saves them, so that the tensors the backward needs first
-(the loss's) are never copied.
+``saved_tensors_hooks`` entered around the model's forward see the checkpointed blocks' inputs
+among the tensors saved outside checkpointed blocks (the embeddings, the head, the loss); only
+the former leave the device (told apart by zeroplug.recompute), so that the tensors the
+backward needs first (the loss's) are never copied. Nested checkpoints save through the outer
+one, never through these hooks.
 
 Forward: each block input is copied out on a side stream as soon as it is saved; its device
 memory is let go once the copy is done. At most ``buffer_count`` copies are in flight: past
@@ -21,29 +18,14 @@ other side stream; the compute stream waits on each copy's event just before its
 from __future__ import annotations
 
 import collections
-import os
-import sys
 import weakref
 from contextlib import contextmanager
 
 import torch
-import torch.utils.checkpoint
+
+from zeroplug.recompute import saved_by_checkpoint
 
 from .lanes import CopyLanes
-
-_TORCH_AUTOGRAD = os.path.dirname(torch.autograd.__file__) + os.sep
-_TORCH_CHECKPOINT = torch.utils.checkpoint.__file__
-
-
-def saved_by_checkpoint(depth: int = 2) -> bool:
-    """Whether the tensor being saved now is saved by ``torch.utils.checkpoint`` itself (a
-    checkpointed block's input). ``depth``: frames between the caller and the pack hook's caller."""
-    frame = sys._getframe(depth)
-    # Note: the saving code calls into torch.autograd (Function.apply, SavedTensor) which
-    # calls the hook; the first frame outside torch.autograd is who asked.
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_AUTOGRAD):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename == _TORCH_CHECKPOINT
 
 
 def _dense(t: torch.Tensor) -> bool:
