@@ -57,6 +57,15 @@ class CheckpointOptions:
     dir: str = opt("", "Directory for checkpoints written by `zeroplug train`; empty disables them.")
     every_n_steps: int = opt(0, "Save a checkpoint every N optimizer steps; 0 disables.", min=0)
     keep_last: int = opt(0, "Keep only the K newest checkpoints; 0 keeps all.", min=0)
+    async_save: bool = opt(
+        False, "Write checkpoints in the background (also the default of engine.save_checkpoint's "
+               "async_save): the save returns once the values that the forward changes are taken; a "
+               "thread copies the states into host memory (one checkpoint's size, kept for the run) "
+               "before the next optimizer step and writes them while training goes on, under the same "
+               "atomic protocol. One save is in flight at a time; the next save, a load and close() wait "
+               "for it, and a failed one is raised at the next step, save, load or close(). Saved "
+               "synchronously (with a warning) when the host lacks the memory for the copy. DeepSpeed's "
+               "checkpoint.writer.decoupled.")
 
 
 #: slot tables: TOML path -> (registry slot, default plugin)

@@ -106,6 +106,8 @@ class Engine:
         self.lr_step = 0              # steps taken: what the schedule counts
         self.tokens_per_sample: int | None = None
         self.states_offloaded: set[str] = set()
+        from .checkpoint.background import BackgroundSaves
+        self.background_saves = BackgroundSaves()     # save_checkpoint(async_save=True)
         self.metrics = StepMetrics(self.run.device)
         self._set_lr(self.scheduler.lr_at(0))
         self.hook.zeroplug_engine_setup(engine=self)        # the CUDA warm-up (plugins/warmup)
@@ -155,6 +157,8 @@ class Engine:
         self.run.first_micro_step = self.micro_steps_in_window == 0
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         self.metrics.backward(loss)
+        if self.run.at_boundary:        # the tier may step during this backward
+            self.background_saves.wait_copied()
         self.partitioner.before_backward()
         self._lr_kept = self.get_lr()       # the lr a skipped step keeps (a speculation sets the next)
         if self.run.at_boundary and self.offload_optimizer.speculate(self.optimizer, self.precision.loss_scale):
@@ -170,6 +174,9 @@ class Engine:
         self._stepped_since_backward = True
         if self.micro_steps_in_window < self.gradient_accumulation_steps:
             return
+        # Note: an asynchronous save reads the states in place until its copy is taken; a
+        # failed one is raised here, before the step changes anything
+        self.background_saves.before_step()
         self.micro_steps_in_window = 0
         self.hook.zeroplug_step_begin(engine=self)
         try:
@@ -273,6 +280,7 @@ class Engine:
         become every rank's (shards and fp32 master weights; the optimizer's moments stay);
         without it, a parameter written inside raises StateError on every rank at the end of
         the block (the write would otherwise be lost at the next step)."""
+        self.background_saves.wait_copied()
         return self.partitioner.gathered_params(params, modifier_rank=modifier_rank, check_writes=True)
 
     def owns(self, param) -> bool:
@@ -304,6 +312,7 @@ class Engine:
         """Move training states off the device (``include``: names or OffloadStateTypeEnum;
         default all) into the offload tier ``device`` names: "cpu" (host memory), "nvme" (files
         under ``nvme_path``) or another registered tier. Harmless to repeat."""
+        self.background_saves.wait_copied()
         from .offload_states import ALL_STATES, state_name
         names = {state_name(s) for s in include} if include is not None else set(ALL_STATES)
         tier = device.value if hasattr(device, "value") else str(device)
@@ -323,7 +332,9 @@ class Engine:
                              f"offloaded; call engine.reload_states() first")
 
     def close(self) -> None:
-        """Release offload files and buffers; monitors flush."""
+        """Release offload files and buffers; monitors flush. A save in flight is finished
+        first; if it failed, its error is raised after the clean-up."""
+        save_error = self.background_saves.close()
         forget_engine(self)
         from .checkpoint.directory import release
         release(self)                   # the locks of the checkpoint directories it saved to
@@ -337,18 +348,25 @@ class Engine:
         self.offload_param.close()
         self.activations.close()
         self.partitioner.close()      # its hooks on the model's parameters held every state alive
+        if save_error is not None:
+            from .checkpoint import CheckpointError
+            raise CheckpointError(save_error)
 
     # -- checkpoints (zeroplug.checkpoint) -------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        async_save: bool | None = None) -> str:
         """Save the complete training state under ``save_dir/tag`` (default ``global_step<N>``),
-        one file per rank, atomically; every rank must call it. Returns the checkpoint's path."""
+        one file per rank, atomically; every rank must call it. Returns the checkpoint's path.
+        ``async_save`` (None: the config's ``checkpoint.async_save``): write it in the
+        background; the path then names it before it is complete (zeroplug.checkpoint.background)."""
         from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Restore a checkpoint saved on any world size (``tag`` None: the ``latest`` one);
         every rank must call it. Returns ``(path, client_state)``. Reads DeepSpeed's too."""
+        self.background_saves.wait()
         from .checkpoint.deepspeed_format import load_any
         return load_any(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 

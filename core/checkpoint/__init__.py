@@ -193,8 +193,16 @@ def _unchanged(save_dir: Path) -> str:
     return f"{latest} still names the previous one" if latest.is_file() else "no checkpoint was written"
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
-    """Write ``engine``'s complete training state; every rank must call it. Returns the path."""
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                    async_save: bool | None = None) -> str:
+    """Write ``engine``'s complete training state; every rank must call it. Returns the path.
+
+    ``async_save`` (None: the config's ``checkpoint.async_save``): return once the states
+    are taken, and write in the background (:mod:`.background`)."""
+    saves = engine.background_saves
+    saves.wait()                                # at most one in flight; its failure is raised here
+    if async_save is None:
+        async_save = engine.config.checkpoint.async_save
     comm = engine.run.comm
     rank = comm.rank
     save_dir = Path(save_dir)
@@ -204,7 +212,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         engine.run.failed = engine.run.failed or f"the optimizer step failed ({type(exc).__name__}: {exc})"
     # Note: every rank learns whether any rank's step failed (and the sizes) before any
     # writes, so that all refuse together rather than wait for each other.
-    status = comm.all_gather_object({"failed": engine.run.failed, "bytes": _estimate_bytes(engine)})
+    nbytes = _estimate_bytes(engine)
+    room = _staging_room(saves, nbytes) if async_save else None
+    status = comm.all_gather_object({"failed": engine.run.failed, "bytes": nbytes, "room": room})
     failed = next((st["failed"] for st in status if st["failed"]), None)
     if failed is not None:
         raise StepFailedError("save_checkpoint", failed if engine.run.failed else f"on another rank, {failed}")
@@ -214,6 +224,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     if engine.micro_steps_in_window:
         log.warning("[zeroplug] save_checkpoint in the middle of gradient accumulation (micro step %d): "
                     "the gradients accumulated so far are not saved", engine.micro_step)
+    short = next((st["room"] for st in status if st["room"]), None) if async_save else None
+    if short is not None:
+        if rank == 0:
+            log.warning("[zeroplug] checkpoint %r is saved synchronously: %s", tag, short)
+        async_save = False
 
     plan = None
     need = sum(st["bytes"] for st in status)
@@ -235,63 +250,146 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     if "error" in plan:
         raise CheckpointError(f"checkpoint {tag!r} was not saved: {plan['error']}; {_unchanged(save_dir)}")
     tag, tmp = plan["tag"], save_dir / plan["tmp"]
-
-    fname = rank_file_name(rank)
-    meta, failure = None, None
+    job = _Job(engine, save_dir, tag, tmp, plan, save_latest)
+    state, failure = None, None
     try:
         parts = PartWriter(tmp, rank)
         state = _rank_state(engine, client_state, parts)
-        meta = state["model"].pop("meta", None)
-        size, digest = write_torch_file(state, tmp / fname)
-        del state
-        report = {"rank": rank, "file": fname, "size": size, "sha256": digest, "parts": parts.written,
-                  "error": None}
-    except Exception as exc:    # every rank must reach the exchange below, or the others hang
+        job.meta = state["model"].pop("meta", None)
+        job.parts = parts
+    except Exception as exc:    # every rank must reach the exchange, or the others hang
         failure = exc
-        why = (checkpoint_dir.os_error_message(exc, tmp / fname, "writing", plan["need"])
-               if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
-        report = {"rank": rank, "file": fname, "error": f"rank {rank}: {why}"}
-    reports = comm.all_gather_object(report)
-    errors = [r["error"] for r in reports if r["error"]]
-    if errors:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"checkpoint {tag!r} was not saved ({errors[0]}); {_unchanged(save_dir)}") from failure
+    if not async_save:
+        return job.write(state, failure, comm)
+    return _start(engine, job, state, failure)
 
-    final = save_dir / tag
-    status = None
-    if rank == 0:
+
+def _staging_room(saves, nbytes: int) -> str | None:
+    """None if this rank's host memory can hold the copies an asynchronous save takes
+    (``nbytes``, less the buffers it keeps from the last one), else why not."""
+    from zeroplug.observe.memory import host_available_bytes
+    extra = max(0, nbytes - saves.staging.held)
+    avail = host_available_bytes()
+    if extra + _HOST_RESERVE <= avail:
+        return None
+    return (f"the copy of the states it writes in the background needs {checkpoint_dir.fmt_bytes(extra)} more "
+            f"host memory, this host has {checkpoint_dir.fmt_bytes(avail)} available (keeping "
+            f"{checkpoint_dir.fmt_bytes(_HOST_RESERVE)} free)")
+
+
+#: host memory an asynchronous save leaves free (the page cache its own writes need, the
+#: training's small allocations)
+_HOST_RESERVE = 1 << 30
+
+
+def _start(engine, job, state, failure) -> str:
+    """The asynchronous half of :func:`save_checkpoint`: the values the forward changes
+    are copied now, the rest by the writer thread before it writes."""
+    from .staging import split
+    saves = engine.background_saves
+    comm = saves.comm(engine.run.comm)
+    places, after = [], None
+    if failure is None:
         try:
-            files = {r["file"]: {"rank": r["rank"], "size": r["size"], "sha256": r["sha256"]} for r in reports}
-            for r in reports:
-                for w in r["parts"]:
-                    files[w["file"]] = {"rank": r["rank"], "part": w["part"], "size": w["size"],
-                                        "sha256": w["sha256"]}
-            manifest = {
-                "format": FORMAT, "version": 2 if any(r["parts"] for r in reports) else 1,
-                "tag": tag, "created": time.time(),
-                "global_step": engine.global_step, "world_size": comm.world_size,
-                "zero": engine.config.slot("zero").name, "precision": engine.config.slot("precision").name,
-                "files": files,
-                "model": meta,
-            }
-            write_manifest(tmp, manifest)
-            fsync_dir(tmp)
-            _install(tmp, final)
-            if save_latest:
-                atomic_write_text(save_dir / LATEST, tag)
-            removed = prune(save_dir, engine.config.checkpoint.keep_last, keep={tag}, stale_tmp=plan["locked"])
-            if removed:
-                log.info("[zeroplug] removed old checkpoints %s", ", ".join(removed))
-        except Exception as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            status = (checkpoint_dir.os_error_message(exc, save_dir, "installing the checkpoint in")
-                      if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
+            buffers = {b.data_ptr() for b in engine.module.buffers()}
+            state, places = split(state, buffers)
+            if any(t.device.type == "cuda" for _, _, t in places):
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(next(t.device for _, _, t in places if t.is_cuda)))
+        except Exception as exc:    # noqa: BLE001 - reported through the exchange
+            failure, state = exc, None
+    first = failure
+
+    def copy() -> None:
+        if first is not None:
+            raise first
+        saves.staging.copy(places, after)
+
+    def write(error) -> None:
+        nonlocal state
+        try:
+            job.write(state, error, comm)
+        finally:
+            state = None
+            places.clear()
+
+    saves.start(f"checkpoint {job.tag!r} in {job.save_dir}", copy, write)
+    return str(job.save_dir / job.tag)
+
+
+class _Job:
+    """What the writing half of a save needs, taken when the save was called."""
+
+    def __init__(self, engine, save_dir: Path, tag: str, tmp: Path, plan: dict, save_latest: bool):
+        self.save_dir, self.tag, self.tmp, self.plan, self.save_latest = save_dir, tag, tmp, plan, save_latest
+        self.rank = engine.run.comm.rank
+        self.meta, self.parts = None, None
+        self.keep_last = engine.config.checkpoint.keep_last
+        self.manifest = {"global_step": engine.global_step, "zero": engine.config.slot("zero").name,
+                         "precision": engine.config.slot("precision").name}
+
+    def write(self, state, failure, comm) -> str:
+        """Write this rank's file, exchange sizes and digests, and (rank 0) install the
+        checkpoint; every rank calls it. Raises :class:`CheckpointError` if any rank failed."""
+        rank, tmp, tag, save_dir = self.rank, self.tmp, self.tag, self.save_dir
+        fname = rank_file_name(rank)
+        try:
+            if failure is not None:
+                raise failure
+            size, digest = write_torch_file(state, tmp / fname)
+            state = None
+            report = {"rank": rank, "file": fname, "size": size, "sha256": digest, "parts": self.parts.written,
+                      "error": None}
+        except Exception as exc:    # every rank must reach the exchange below, or the others hang
             failure = exc
-    status = comm.broadcast_object(status, src=0)
-    if status is not None:
-        raise CheckpointError(f"checkpoint {tag!r} was not saved: {status}") from failure
-    return str(final)
+            why = (checkpoint_dir.os_error_message(exc, tmp / fname, "writing", self.plan["need"])
+                   if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
+            report = {"rank": rank, "file": fname, "error": f"rank {rank}: {why}"}
+        reports = comm.all_gather_object(report)
+        errors = [r["error"] for r in reports if r["error"]]
+        if errors:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {tag!r} was not saved ({errors[0]}); "
+                                  f"{_unchanged(save_dir)}") from failure
+        final = save_dir / tag
+        status = None
+        if rank == 0:
+            try:
+                self._finish(reports, comm.world_size)
+            except Exception as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                status = (checkpoint_dir.os_error_message(exc, save_dir, "installing the checkpoint in")
+                          if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
+                failure = exc
+        status = comm.broadcast_object(status, src=0)
+        if status is not None:
+            raise CheckpointError(f"checkpoint {tag!r} was not saved: {status}") from failure
+        return str(final)
+
+    def _finish(self, reports, world_size: int) -> None:
+        """Rank 0: the manifest, the rename, ``latest``, and the old checkpoints pruned."""
+        tmp, save_dir, tag = self.tmp, self.save_dir, self.tag
+        files = {r["file"]: {"rank": r["rank"], "size": r["size"], "sha256": r["sha256"]} for r in reports}
+        for r in reports:
+            for w in r["parts"]:
+                files[w["file"]] = {"rank": r["rank"], "part": w["part"], "size": w["size"], "sha256": w["sha256"]}
+        manifest = {
+            "format": FORMAT, "version": 2 if any(r["parts"] for r in reports) else 1,
+            "tag": tag, "created": time.time(),
+            "global_step": self.manifest["global_step"], "world_size": world_size,
+            "zero": self.manifest["zero"], "precision": self.manifest["precision"],
+            "files": files,
+            "model": self.meta,
+        }
+        write_manifest(tmp, manifest)
+        fsync_dir(tmp)
+        _install(tmp, save_dir / tag)
+        if self.save_latest:
+            atomic_write_text(save_dir / LATEST, tag)
+        removed = prune(save_dir, self.keep_last, keep={tag}, stale_tmp=self.plan["locked"])
+        if removed:
+            log.info("[zeroplug] removed old checkpoints %s", ", ".join(removed))
 
 
 # --- load ------------------------------------------------------------------------------
@@ -307,6 +405,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     rank's checks must pass (:meth:`ShardSet.commit`). A refused checkpoint leaves the engine
     as it was. Should a load fail after that point, the engine is marked failed: its next
     step refuses until a load succeeds."""
+    engine.background_saves.wait()      # a save in flight ends first (its failure is raised)
     failed, engine.run.failed = engine.run.failed, None
     try:
         engine._require_states("load_checkpoint")

@@ -369,8 +369,14 @@ RULES: dict[str, Rule] = {
     "compile": ignored("zeroplug does not compile the model: call torch.compile(model) before initialize",
                        quiet=OFF),
     "graph_harvesting": ignored("CUDA-graph capture of small kernels: " + _SPEED, quiet=(False,)),
-    "checkpoint": ignored("zeroplug's checkpoints are universal (any world size), atomic and verified; "
-                          "DeepSpeed's tag checks and writers do not apply", quiet=OFF),
+    "checkpoint": moved("[checkpoint]", "writer.decoupled: checkpoint.async_save; the rest does not apply"),
+    "checkpoint.*": ignored("zeroplug's checkpoints are universal (any world size), atomic and verified; "
+                            "DeepSpeed's tag checks and serialization do not apply", quiet=OFF),
+    "checkpoint.writer": moved("checkpoint.async_save", "decoupled: the keys below"),
+    "checkpoint.writer.decoupled": same("checkpoint.async_save", "written in the background while training "
+                                        "goes on (a thread, not a process)"),
+    "checkpoint.writer.*": ignored("DeepSpeed's writer implementation and its I/O buffers; zeroplug writes its own "
+                                   "files"),
     "nebula": ignored("a checkpoint engine; zeroplug writes its own checkpoints", quiet=OFF),
     "datastates": ignored("a checkpoint engine; zeroplug writes its own checkpoints", quiet=OFF),
     "autotuning": ignored("zeroplug has no autotuner; `zeroplug estimate` prints the memory per stage",

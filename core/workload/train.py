@@ -200,7 +200,8 @@ def cmd_train(args, overrides) -> int:
     def save(done: int) -> None:
         path = engine.save_checkpoint(ck.dir, client_state={"step": done, "data": data.state_dict()})
         if rank == 0 and not progress.tty:
-            print(f"checkpoint {path}", file=sys.stderr, flush=True)
+            later = " (being written in the background)" if engine.background_saves.in_flight() else ""
+            print(f"checkpoint {path}{later}", file=sys.stderr, flush=True)
 
     def log_eval(step: int, loss: float) -> None:     # held-out loss for monitors (csv, tensorboard)
         for m in engine.monitors:

@@ -1,0 +1,135 @@
+"""Asynchronous checkpoint saves: one in flight per engine, written by a thread.
+
+``save_checkpoint(..., async_save=True)`` does in the caller's thread what every rank must
+agree on (the failure check, the directory lock, the free-space check, the temporary
+directory) and takes the values that the forward changes; then it returns and a thread
+of this engine copies the states into host buffers (:mod:`.staging`) and writes the files
+under the same protocol as a synchronous save: the rank files, the exchange of sizes and
+digests, the manifest, the rename, ``latest`` last. A crash at any moment leaves ``latest``
+naming the last complete checkpoint.
+
+What the engine waits for, and where:
+
+* the copy into host memory, before the next optimizer step (``engine.step()`` at the
+  accumulation boundary, and a boundary backward whose tier may step during it), before
+  ``offload_states`` and a ``gathered_parameters`` block: until then the saved tensors are
+  read in place (nothing else in the engine writes them);
+* the whole save, before the next save, a load and ``close()``.
+
+A failed background save is raised once, as :class:`~zeroplug.checkpoint.CheckpointError`
+with one line naming the checkpoint and its directory, at the next ``step()`` boundary,
+save, load or ``close()``, whichever comes first; ``latest`` still names the previous
+checkpoint.
+
+With several ranks the threads exchange sizes and digests over a gloo process group of
+their own (created, collectively, by the first asynchronous save), so that they never
+share a communicator with the training's collectives.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from .files import CheckpointError
+
+log = logging.getLogger("zeroplug")
+
+
+class BackgroundSaves:
+    """An engine's asynchronous saves: at most one in flight."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._error: str | None = None
+        self._comm = None
+        self._staging = None
+
+    # -- what the save uses --------------------------------------------------------------
+    def comm(self, comm):
+        """The communicator of the writer threads: a gloo group of ``comm``'s ranks (made
+        on first use; every rank must call it at the same point), or ``comm`` itself with
+        one rank."""
+        if not comm.distributed:
+            return comm
+        if self._comm is None:
+            import torch.distributed as dist
+            from zeroplug.comm import Comm
+            ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
+            self._comm = Comm(dist.new_group(ranks=ranks, backend="gloo"))
+        return self._comm
+
+    @property
+    def staging(self):
+        if self._staging is None:
+            from .staging import Staging
+            self._staging = Staging()
+        return self._staging
+
+    def start(self, name: str, copy, write) -> None:
+        """Run ``copy()`` then ``write(error)`` on a thread (``error``: the exception
+        ``copy`` raised, or None); ``write`` raises what failed. ``name`` says which
+        checkpoint, for the error."""
+        self.wait()
+        self._copied.clear()
+
+        def run() -> None:
+            failure = None
+            try:
+                copy()
+            except BaseException as exc:    # noqa: BLE001 - every rank's writer must reach the exchange
+                failure = exc
+            finally:
+                self._copied.set()
+            try:
+                write(failure)
+            except BaseException as exc:    # noqa: BLE001 - raised in the training thread (take_error)
+                text = str(exc).strip().splitlines()
+                self._error = (f"the asynchronous save of {name} failed: "
+                               f"{text[0] if text else type(exc).__name__}")
+                log.error("[zeroplug] %s", self._error)
+
+        # Note: not a daemon: an interpreter that exits (without close()) still finishes
+        # the checkpoint rather than leave only its temporary directory.
+        self._thread = threading.Thread(target=run, name="zeroplug-checkpoint", daemon=False)
+        self._thread.start()
+
+    # -- what the engine waits for -------------------------------------------------------
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_copied(self) -> None:
+        """Return once the states of the save in flight are in host memory."""
+        self._copied.wait()
+
+    def before_step(self) -> None:
+        """The optimizer is about to change the states: a failed save is raised, the copy
+        of one in flight is waited for."""
+        self.raise_error()
+        self._copied.wait()
+        self.raise_error()
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Return once no save is in flight; raise the error of a failed one."""
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        if raise_error:
+            self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(error)
+
+    def close(self) -> str | None:
+        """Wait for the save in flight and free the host buffers; returns the error of a
+        failed save (for the caller to raise after its own clean-up)."""
+        self.wait(raise_error=False)
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        error, self._error = self._error, None
+        return error
