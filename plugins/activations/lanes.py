@@ -33,7 +33,7 @@ class CopyLanes:
 
     def copy_out(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
         """A host copy of ``t`` (same shape and strides) and the event of its completion."""
-        host = torch.empty_like(t, device="cpu", pin_memory=self.pin_memory)
+        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
         if not self.cuda:
             host.copy_(t)
             return host, None
@@ -50,11 +50,11 @@ class CopyLanes:
     def copy_in(self, host: torch.Tensor, after) -> tuple[torch.Tensor, object]:
         """A device copy of ``host`` (written once ``after``, its own copy out, completed) and
         the event of its completion."""
+        t = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.device)
         if not self.cuda:
-            t = torch.empty_like(host, device=self.device)
             t.copy_(host)
             return t, None
-        t = torch.empty_like(host, device=self.device)      # the compute stream's memory
+        # Note: t is the compute stream's memory, maybe just freed by work still queued there
         self._after_compute(self.in_stream)
         with torch.cuda.stream(self.in_stream):
             if after is not None:
