@@ -27,10 +27,10 @@ def _config(plugin, **extra):
             "monitor": {"plugin": "none"}, "activation_checkpointing": table}
 
 
-def _gpt_run(plugin, steps=3, device="cpu", cfg=CFG, **extra):
+def _gpt_run(plugin, steps=3, device="cpu", cfg=CFG, zero="stage0", **extra):
     torch.manual_seed(0)
     model = GPT(cfg)
-    engine = zeroplug.initialize(model, _config(plugin, **extra), device=device)
+    engine = zeroplug.initialize(model, {**_config(plugin, **extra), "zero": {"plugin": zero}}, device=device)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -39,7 +39,8 @@ def _gpt_run(plugin, steps=3, device="cpu", cfg=CFG, **extra):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    params = [p.detach().cpu().clone() for p in model.parameters()]
+    with engine.gathered_parameters():       # stage 3: whole values
+        params = [p.detach().cpu().clone() for p in model.parameters()]
     stats = dict(getattr(engine.activations, "stats", {}))
     engine.close()
     return losses, params, stats
@@ -49,9 +50,10 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_gpt_training_is_bit_identical_and_block_inputs_go_through_the_host():
-    ref_losses, ref_params, _ = _gpt_run("none")
-    losses, params, stats = _gpt_run("cpu")
+@pytest.mark.parametrize("stage", ["stage0", "stage3"])
+def test_gpt_training_is_bit_identical_and_block_inputs_go_through_the_host(stage):
+    ref_losses, ref_params, _ = _gpt_run("none", zero=stage)
+    losses, params, stats = _gpt_run("cpu", zero=stage)
     assert losses == ref_losses
     assert _same(params, ref_params)
     # exactly the checkpointed blocks' inputs, one per block per step (not the embeddings'
@@ -350,3 +352,18 @@ def test_tune_proposes_activations_on_the_host_only_when_the_gpu_is_short():
     assert zeroplug.load_config(cfg).slot("activation_checkpointing").name == "cpu"
     no_ckpt = Activations(total=20 * GiB, layers=32)          # nothing checkpointed: nothing to move
     assert with_activations_on_host(c, n, no_ckpt, m) is None
+
+
+def test_zeroplug_train_checkpoints_its_blocks_when_a_store_is_chosen(capsys, caplog):
+    from zeroplug.cli import main
+    args = ["train", "--steps", "2", "--seq", "32", "--monitor.plugin=none", "--batch.micro_batch_size=2"]
+    with caplog.at_level(logging.WARNING, logger="zeroplug"):
+        assert main([*args, "--activation_checkpointing.plugin=cpu", "--activation_checkpointing.min_offload_bytes=0"]) == 0
+    assert not any("turn activation checkpointing on" in r.getMessage() for r in caplog.records)
+    with_host = capsys.readouterr().out
+    assert main([*args, "--activation-checkpointing"]) == 0
+    on_device = capsys.readouterr().out
+
+    def losses(text):      # the train and held-out loss lines: the same values either way
+        return [ln for ln in text.splitlines() if ln.startswith(("train loss", "held-out loss"))]
+    assert losses(with_host) and losses(with_host) == losses(on_device)

@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
                    help=f"model preset: {', '.join(PRESETS)} (default char-tiny: byte-level, 0.8 M "
                         "parameters; the others are GPT-2-style sizes with a 50,304 vocabulary)")
     t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="checkpoint every block (its activations are recomputed in the backward); on by itself "
+                        "when [activation_checkpointing] picks a store other than \"none\" (e.g. "
+                        "--activation_checkpointing.plugin=cpu: the blocks' inputs wait in host memory)")
     t.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the batch order "
                                                        "(default 0)")
     t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
@@ -145,7 +149,8 @@ def cmd_train(args, overrides) -> int:
             corpus, source = load_text(args.data), args.data
         else:
             corpus, source = stdlib_corpus(max_bytes=args.max_bytes), "the Python standard library's sources"
-        mcfg = get_preset(args.model)
+        mcfg = get_preset(args.model, activation_checkpointing=args.activation_checkpointing
+                          or cfg.slot("activation_checkpointing").name != "none")
     except (OSError, KeyError, ValueError) as exc:
         raise ZeroplugError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
     if args.seq is not None and args.seq > mcfg.seq_len:
