@@ -273,3 +273,28 @@ def test_exit_waits_for_a_load_in_progress(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert marker.read_text() == "finished"
+
+
+def test_compiler_found_when_one_is_on_the_path():
+    """With g++ on the PATH the kernel's compiler is found (the other order's partner of
+    test_missing_compiler_said_once_and_eager: see the next test)."""
+    import shutil
+    if not shutil.which("g++"):
+        pytest.skip("no g++ on the PATH")
+    assert ck.compiler_missing() is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["missing_first", "found_first"])
+def test_compiler_detection_does_not_depend_on_test_order(order):
+    """Both cases in one pytest process, in either order: each passes, none skips."""
+    import shutil
+    if not shutil.which("g++"):
+        pytest.skip("no g++ on the PATH")
+    ids = [f"{__file__}::test_missing_compiler_said_once_and_eager",
+           f"{__file__}::test_compiler_found_when_one_is_on_the_path"]
+    if order == "found_first":
+        ids.reverse()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", "-rs", *ids],
+                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and "2 passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]

@@ -37,6 +37,21 @@ def test_tune_writes_a_commented_config_that_trains(tmp_path, capsys):
     assert main(["train", "--config", str(out), "--steps", "2", "--seq", "32", "--monitor.plugin=none"]) == 0
 
 
+def test_tune_keeps_the_earlier_candidate_within_the_steps_noise():
+    from zeroplug.benchmarking.measure import StepRun
+    from zeroplug.tools.tune import Candidate, clearly_faster
+
+    def cand(stage, times):
+        return Candidate(0, stage, run=StepRun(f"stage{stage}", step_times=times, tokens_per_step=1000))
+    steady = cand(0, [1.00, 1.01, 0.99])
+    assert clearly_faster(steady, None)
+    assert not clearly_faster(cand(2, [0.98, 0.99, 0.985]), steady)        # 1.5% faster: noise
+    assert clearly_faster(cand(2, [0.80, 0.81, 0.79]), steady)             # 25% faster: chosen
+    noisy = cand(1, [0.90, 1.20, 0.85])                                    # median 0.90, spread 39%
+    assert not clearly_faster(noisy, steady)                               # 11% faster, within its spread
+    assert clearly_faster(cand(3, [0.50, 0.52, 0.51]), noisy)
+
+
 def test_tune_rejects_what_does_not_fit_without_running_it(tmp_path, capsys):
     out = tmp_path / "zero.toml"
     rc = main(["tune", *TINY, "--activations-gib", "1e6", "--out", str(out)])

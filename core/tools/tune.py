@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,26 @@ class Candidate:
     @property
     def tokens_per_s(self) -> float:
         return self.run.tokens_per_s if self.run is not None and self.run.error is None else 0.0
+
+
+#: a candidate must beat the one chosen so far by more than this, or by more than the two
+#: runs' own step-to-step spread if that is larger, to replace it (a few timed steps on a
+#: busy machine differ by more than the stages do)
+MIN_MARGIN = 0.03
+
+
+def spread(run) -> float:
+    """(slowest - fastest) / median of a run's timed steps; 0 with fewer than two."""
+    t = run.step_times if run is not None else []
+    return (max(t) - min(t)) / statistics.median(t) if len(t) > 1 else 0.0
+
+
+def clearly_faster(c: Candidate, best: Candidate | None) -> bool:
+    """Whether ``c`` beats ``best`` by more than the noise of their measurements."""
+    if best is None:
+        return True
+    margin = max(MIN_MARGIN, spread(c.run), spread(best.run))
+    return c.tokens_per_s > best.tokens_per_s * (1 + margin)
 
 
 TIERS = (  # most promising first; tier = what leaves the device
@@ -244,12 +265,18 @@ def tune(spec, micro_batch: int, seq: int, device: torch.device, nvme_path: str 
             if best is not None and best.tier < c.tier and c.tokens_per_s <= best.tokens_per_s:
                 stop = (f"{c.name} ran at {c.tokens_per_s / best.tokens_per_s:.2f}x {best.name}; "
                         "slower tiers skipped")
-            if best is None or c.tokens_per_s > best.tokens_per_s:
+            if clearly_faster(c, best):
                 best = c
     for c in result.candidates:
         if c.run is not None and c.run.error is None:
-            c.verdict = ("chosen: the fastest" if c is best
-                         else f"ran: {c.tokens_per_s / best.tokens_per_s:.2f}x the chosen")
+            ratio = c.tokens_per_s / best.tokens_per_s
+            if c is best:
+                c.verdict = "chosen: the fastest beyond the steps' noise"
+            elif ratio > 1:
+                c.verdict = (f"ran: {ratio:.2f}x the chosen, within its steps' noise "
+                             f"({max(MIN_MARGIN, spread(c.run), spread(best.run)):.0%}): the earlier candidate kept")
+            else:
+                c.verdict = f"ran: {ratio:.2f}x the chosen"
     result.best = best
     result.seconds = time.perf_counter() - t0
     return result
@@ -269,6 +296,8 @@ def render(result: TuneResult, command: str) -> str:
              f"sequence {result.seq}; activations {a.total / GiB:.2f} GiB ({a.how}).",
              f"# Each candidate ran {result.warmup} warm-up + {result.steps} timed steps (tokens/s of the median "
              "step); peaks are this process's.",
+             f"# A later candidate replaces an earlier one only when faster by more than the steps' spread "
+             f"(at least {MIN_MARGIN:.0%}).",
              "#",
              "# Memory in GiB: estimated (device, host) before running, then the measured peaks.",
              f"# {'candidate':<46} {'est. dev':>8} {'est. host':>9} {'tokens/s':>9} {'peak GPU':>8} "
