@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from zeroplug.benchmarking.wire import Collectives, spans_hosts
 
 from distributed import run_ranks
 from test_stage_equivalence import CLIP, GLOBAL_BATCH, LR, STEPS, TOL, WEIGHT_DECAY, data, make_config, reference
@@ -34,23 +34,6 @@ CASES = {
     "stage2-bf16-offload-cpu": (2, "bf16", 0.0, 1, False, {"offload": {"optimizer": {"plugin": "cpu"}}}),
 }
 K = 4          # steps before the checkpoint (of STEPS)
-
-
-class Collectives(TorchDispatchMode):
-    """Every c10d collective this rank starts, as (op name, global ranks of its group)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[tuple[str, tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "c10d":
-            for a in list(args) + list(kwargs.values()):
-                if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
-                    pg = dist.ProcessGroup.unbox(a)
-                    self.seen.append((func.__name__.split(".")[0], tuple(dist.get_process_group_ranks(pg))))
-        return func(*args, **kwargs)
 
 
 def _config(stage, precision, clip, gas, world, group, tables):
@@ -94,7 +77,7 @@ def run_cases(rank, world, group, ckpt_dir, loads):
     and without groups; a stage-3 checkpoint saved after K steps (then the rest trained,
     the reference of the loads); and for each (source world, source group) in ``loads``,
     that checkpoint loaded with ``group`` here and trained to the end."""
-    out = {"cases": {}, "wire": {}, "ref": None, "loaded": {}}
+    out = {"cases": {}, "wire": {}, "crossing": {}, "ref": None, "loaded": {}}
     for name, (stage, precision, clip, gas, use_init, zero) in CASES.items():
         e = _engine(_config(stage, precision, clip, gas, world, group, zero), use_init)
         losses = _train(e, rank, world, gas, range(STEPS))
@@ -107,7 +90,8 @@ def run_cases(rank, world, group, ckpt_dir, loads):
         _train(e, rank, world, 1, range(1))
         with Collectives() as rec:
             _train(e, rank, world, 1, range(1, 2))
-        out["wire"][g] = rec.seen
+        out["wire"][g] = [(c.op, c.ranks) for c in rec.calls]
+        out["crossing"][g] = rec.sent_bytes(lambda ranks: spans_hosts(ranks, 2))
         e.close()
     if world == 4:
         out["deepspeed"], out["bad"] = _deepspeed_and_bad_size(rank, world)
@@ -201,9 +185,9 @@ def test_gathers_stay_within_the_group(spawned):
     assert {op for op, r in wire[2] if r not in ((0, 1),)} <= {"allreduce_"}, ops
     flat = {r for op, r in wire[None] if "allgather" in op}
     assert flat == {(0, 1, 2, 3)}, flat
-    # the group's gradients travel as shards: the cross-group all-reduces move no more
-    # elements than 1 / group of what the flat reduce-scatters take in
-    assert len([1 for op, r in wire[2] if r == (0, 2)]) >= 1
+    # what crosses the groups (ring model): each rank's gradient shard, not every gather
+    hier, flat = spawned["4x2"]["crossing"][2], spawned["4x2"]["crossing"][None]
+    assert 0 < hier < flat / 2, (hier, flat)
 
 
 @pytest.mark.slow

@@ -206,11 +206,13 @@ class FSDP2Runner(TorchRunner):
     """The peer: the same model under PyTorch FSDP2 (``fully_shard`` on every child of
     ``blocks`` and on the root; bf16 parameters, fp32 reduction; fused AdamW over the fp32
     sharded parameters; clipping 1.0). ``reshard_after_forward=False`` is FSDP2's analogue of
-    ZeRO-2 (parameters stay gathered between forward and backward). One process makes a
-    one-rank process group of its own when none exists."""
+    ZeRO-2 (parameters stay gathered between forward and backward). ``shard_group`` > 0 is
+    HSDP: a 2-D device mesh (replicate x shard), sharded within groups of that many consecutive
+    ranks and replicated across them. One process makes a one-rank process group of its own
+    when none exists."""
 
     def __init__(self, build_model, make_batch, device=None, reshard_after_forward: bool = True,
-                 lr: float = 1e-4, clip: float = 1.0, label: str = "fsdp2"):
+                 lr: float = 1e-4, clip: float = 1.0, label: str = "fsdp2", shard_group: int = 0):
         import torch.distributed as dist
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         self.device = torch.device(device) if device is not None else default_device()
@@ -224,9 +226,15 @@ class FSDP2Runner(TorchRunner):
             self.model = build_model()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.device.type == "cuda" else None,
                                   reduce_dtype=torch.float32)
+        world = dist.get_world_size()
+        mesh = None
+        if 0 < shard_group < world:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh(self.device.type, (world // shard_group, shard_group),
+                                    mesh_dim_names=("replicate", "shard"))
         for block in getattr(self.model, "blocks", []):
-            fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        fully_shard(self.model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=self.device.type == "cuda")
 
     autocast = False       # the mixed-precision policy casts
@@ -300,13 +308,14 @@ class DeepSpeedRunner(TorchRunner):
 def make_runner(build_model, make_batch, config, device=None, label=None):
     """An :class:`EngineRunner`, or a baseline: :class:`TorchRunner` for ``config="torch"``,
     :class:`FSDP2Runner` for ``"fsdp2"`` (``"fsdp2-no-reshard"``: parameters kept gathered
-    between forward and backward), :class:`DeepSpeedRunner` for ``"deepspeed:PATH.json"``
+    between forward and backward; ``"fsdp2-hsdp:N"``: HSDP in groups of N), :class:`DeepSpeedRunner` for ``"deepspeed:PATH.json"``
     (``"deepspeed-torch-adam:PATH.json"``: with torch's fused AdamW)."""
     if isinstance(config, str) and config == "torch":
         return TorchRunner(build_model, make_batch, device, label=label or "torch")
     if isinstance(config, str) and config.startswith("fsdp2"):
-        return FSDP2Runner(build_model, make_batch, device, reshard_after_forward=config == "fsdp2",
-                           label=label or config)
+        kind, _, group = config.partition(":")
+        return FSDP2Runner(build_model, make_batch, device, reshard_after_forward=kind != "fsdp2-no-reshard",
+                           label=label or config, shard_group=int(group or 0))
     if isinstance(config, str) and config.startswith("deepspeed"):
         kind, path = config.split(":", 1)
         return DeepSpeedRunner(build_model, make_batch, path, device, torch_optimizer=kind == "deepspeed-torch-adam",

@@ -5,6 +5,7 @@ in one run; and the largest model of the reference family that trains without of
     python3 tests/benchmarks/memory_floor.py search [--time-cap 200] [--systems stage3,fsdp2]
     python3 tests/benchmarks/memory_floor.py all --time-cap 280          # both, one call
     torchrun --nproc-per-node 2 tests/benchmarks/memory_floor.py table    # per GPU, 2 ranks
+    torchrun --nproc-per-node 4 tests/benchmarks/memory_floor.py table --rows @hier --host-size 2
 
 The workload is shared/WORKLOAD.md's (micro batch 8 per GPU, sequence 1,024, bf16, AdamW
 lr 1e-4, clipping 1.0, activation checkpointing on every block, random tokens). ``table``
@@ -18,6 +19,14 @@ with torch's fused AdamW as DeepSpeed's ``torch_adam``) when DeepSpeed is instal
 the median step after ``--warmup`` steps; peak = ``torch.cuda.max_memory_allocated()`` since
 the model was built (the maximum over the ranks); for zeroplug rows, the memory report
 between steps (``engine.memory_report()``).
+
+Hierarchical sharding (``--rows @hier``, 4 or more ranks): FSDP2 and zeroplug's stages 2 and 3
+flat against sharded within groups of 2 and replicated across them (FSDP2's HSDP: a 2-D mesh;
+zeroplug's ``zero.shard_group_size = 2``). With ``--host-size N`` each row also records one
+step's collectives and prints the bytes each rank sends per step (ring model), in all and in
+the groups that span "hosts" of N consecutive ranks: what would cross the network between
+hosts. Two torchrun agents (``--nnodes 2 --node-rank 0/1``, each with its own
+``CUDA_VISIBLE_DEVICES``) stand in for two hosts; ``--host-size -1`` reads the ranks per agent.
 
 ``search`` bisects the family (``zeroplug.workload.models.PRESETS`` by size, 2.7B .. 13B,
 with intermediate widths) for each system: every candidate trains ``--probe-steps`` steps in
@@ -65,6 +74,15 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     "zeroplug stage3, stage3_max_reuse_distance 2e8": {"plugin": "stage3", "stage3_max_reuse_distance": int(2e8)},
     "deepspeed stage2": DS_STAGE2,
     "deepspeed stage3": DS_STAGE3,
+    # hierarchical sharding in groups of 2 (several ranks in groups of 2 only): HSDP's peers
+    "fsdp2-hsdp 2": "fsdp2-hsdp:2",
+    "zeroplug stage3, shard_group_size 2": {"plugin": "stage3", "shard_group_size": 2},
+    "zeroplug stage2, shard_group_size 2": {"plugin": "stage2", "shard_group_size": 2},
+}
+# --rows @NAME: these rows exactly
+ROW_SETS = {
+    "hier": ["fsdp2", "fsdp2-hsdp 2", "zeroplug stage3", "zeroplug stage3, shard_group_size 2",
+             "zeroplug stage2", "zeroplug stage2, shard_group_size 2"],
 }
 SEARCH = {
     "stage3": {"zero": {"plugin": "stage3"}},
@@ -90,8 +108,12 @@ def world() -> tuple[int, int]:
 def setup_distributed() -> torch.device:
     rank, size = world()
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if not torch.cuda.is_available():
-        return torch.device("cpu")      # a smoke run of the code paths: no peak to read
+    if not torch.cuda.is_available():     # a smoke run of the code paths: no peak to read
+        if size > 1:
+            import torch.distributed as dist
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+        return torch.device("cpu")
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     if size > 1:
@@ -110,8 +132,11 @@ def zeroplug_config(extra: dict) -> dict:
     return cfg
 
 
-def measure(model_name: str, config, device, steps: int, warmup: int) -> dict:
-    """Build, ``warmup`` + ``steps`` steps; tokens/s per GPU, peak GPU bytes (max over ranks)."""
+def measure(model_name: str, config, device, steps: int, warmup: int, host_size: int = 0) -> dict:
+    """Build, ``warmup`` + ``steps`` steps; tokens/s per GPU, peak GPU bytes (max over ranks).
+    ``host_size`` > 0 (several ranks): one more step, untimed, with its collectives recorded
+    (zeroplug.benchmarking.wire): the bytes each rank sends per step (ring model), in all and
+    in the groups that span "hosts" of ``host_size`` consecutive ranks."""
     import statistics
 
     from zeroplug.benchmarking.measure import make_runner, release, sync
@@ -144,6 +169,14 @@ def measure(model_name: str, config, device, steps: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - t0)
         out.update(step_s=statistics.median(times), tokens_per_s=MICRO_BATCH * SEQ / statistics.median(times),
                    loss=loss)
+        if host_size > 0 and world()[1] > 1:
+            from zeroplug.benchmarking.wire import Collectives, spans_hosts
+            b = runner.batches()
+            with Collectives() as rec:
+                runner.step(b)
+            sync(device)
+            out["sent_bytes"] = rec.sent_bytes()
+            out["cross_host_bytes"] = rec.sent_bytes(lambda ranks: spans_hosts(ranks, host_size))
         engine = getattr(runner, "engine", None)
         if hasattr(engine, "memory_report"):        # (a zeroplug engine)
             from zeroplug.plugins.observe.memory import format_memory_report
@@ -179,19 +212,26 @@ def run_table(args, device) -> list[dict]:
             continue        # plain PyTorch is one rank's baseline (no data parallelism)
         if "max_reuse_distance" in label and size == 1:
             continue        # one rank keeps nothing for reuse anyway (a gather is a cast)
-        if args.rows and not any(w.strip() in label for w in args.rows.split(",")):
+        if ("hsdp 2" in label or "shard_group_size 2" in label) and (size <= 2 or size % 2):
+            continue        # groups of 2 need more than one group
+        if args.rows and args.rows.startswith("@"):
+            if label not in ROW_SETS[args.rows[1:]]:
+                continue
+        elif args.rows and not any(w.strip() in label for w in args.rows.split(",")):
             continue
         if label.startswith("deepspeed") and not deepspeed_installed():
             if rank == 0:
                 print(f"{label:<48} skipped: DeepSpeed is not installed", flush=True)
             continue
         config = spec if isinstance(spec, str) else zeroplug_config({"zero": spec})
-        r = measure(args.model, config, device, args.steps, args.warmup)
+        r = measure(args.model, config, device, args.steps, args.warmup, args.host_size)
         r["label"] = label
         rows.append(r)
         if rank == 0:
             tps = f"{r['tokens_per_s'] / 1e3:8.1f}k" if "tokens_per_s" in r else f"{'-':>9}"
-            print(f"{label:<48} {tps} tok/s/GPU  peak {r['peak_gib']:6.2f} GiB  {r.get('error', '')}", flush=True)
+            wire = (f"  sent {r['sent_bytes'] / 2**20:8.1f} MiB/step, across hosts {r['cross_host_bytes'] / 2**20:8.1f}"
+                    if "sent_bytes" in r else "")
+            print(f"{label:<48} {tps} tok/s/GPU  peak {r['peak_gib']:6.2f} GiB{wire}  {r.get('error', '')}", flush=True)
             if "report_line" in r:
                 print(f"    {r['report_line']}", flush=True)
     return rows
@@ -266,7 +306,12 @@ def main() -> int:
     ap.add_argument("what", choices=["table", "search", "all", "probe"])
     ap.add_argument("--model", default="1.3B")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per table row")
-    ap.add_argument("--rows", default=None, help="table: labels to run, comma-separated substrings (default all)")
+    ap.add_argument("--rows", default=None, help="table: labels to run, comma-separated substrings (default all); "
+                    "@hier: flat against hierarchical sharding in groups of 2 (" + "; ".join(ROW_SETS["hier"]) + ")")
+    ap.add_argument("--host-size", type=int, default=0,
+                    help="table, several ranks: record one step's collectives and count the bytes sent in groups "
+                         "that span hosts of this many consecutive ranks (-1: LOCAL_WORLD_SIZE, torchrun's "
+                         "ranks per agent); 0: off")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--systems", default="stage3,fsdp2", help="search: " + ", ".join(SEARCH))
     ap.add_argument("--system", default="stage3", help="probe: one of the search systems")
@@ -278,6 +323,10 @@ def main() -> int:
     ap.add_argument("--time-cap", type=float, default=240.0, help="seconds for the search")
     ap.add_argument("--family", default=",".join(FAMILY), help="search: the presets, smallest first")
     args = ap.parse_args()
+    if args.rows and args.rows.startswith("@") and args.rows[1:] not in ROW_SETS:
+        ap.error(f"--rows {args.rows}: the sets are " + ", ".join("@" + k for k in ROW_SETS))
+    if args.host_size < 0:
+        args.host_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     FAMILY[:] = args.family.split(",")
     if args.what == "probe":
         return probe(args, setup_distributed())
