@@ -40,6 +40,25 @@ def main() -> int:
             if rank == 0:
                 print(f"world={world} {stage} {prec}: max rel loss diff {rel:.2e} "
                       f"(tol {TOL[prec]:.0e}) {'OK' if ok else 'MISS'}", flush=True)
+    # hierarchical sharding (zero.shard_group_size): groups of 2 GPUs, replicated across the groups
+    # (the cross-group all-reduce launched from a side stream after the group's reduce-scatter)
+    for stage, prec in (() if world < 4 or world % 2 else
+                        (("stage1", "fp32"), ("stage2", "bf16"), ("stage3", "fp32"), ("stage3", "bf16"))):
+        cfg = {"zero": {"plugin": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0,
+                        "shard_group_size": 2},
+               "precision": {"plugin": prec},
+               "optimizer": {"plugin": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+               "batch": {"micro_batch_size": batch // world, "gradient_clipping": 0.5},
+               "monitor": {"plugin": "none"}}
+        losses, eng = engine_losses(ToyNet, steps, batch, cfg, rank, world, use_init=stage == "stage3",
+                                    device="cuda")
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        ok = rel <= TOL[prec] and eng.partitioner.layout_world == 2
+        bad += not ok
+        if rank == 0:
+            print(f"world={world} {stage} {prec} shard_group_size 2: max rel loss diff {rel:.2e} "
+                  f"(tol {TOL[prec]:.0e}) {'OK' if ok else 'MISS'}", flush=True)
+        eng.close()
     # the cpu offload tier on N GPUs: cpu_adam, the GPU lane, bf16 host gradients (bf16 reduction);
     # gpu_step_ratio "auto" leaves the lane off with several ranks on the host (they share its cores)
     for stage, params, ratio, reduce in (("stage2", "none", 0.5, "bf16"), ("stage3", "cpu", "auto", "bf16"),
