@@ -367,3 +367,45 @@ def test_zeroplug_train_checkpoints_its_blocks_when_a_store_is_chosen(capsys, ca
     def losses(text):      # the train and held-out loss lines: the same values either way
         return [ln for ln in text.splitlines() if ln.startswith(("train loss", "held-out loss"))]
     assert losses(with_host) and losses(with_host) == losses(on_device)
+
+
+def test_the_trainer_with_gradient_checkpointing(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): the Trainer's losses are the same with the
+    blocks' inputs on the host (zeroplug's table) as on the device (a DeepSpeed JSON's
+    cpu_checkpointing false)."""
+    T = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from zeroplug.integrations.transformers import ZeroplugTrainer
+
+    class Tokens(torch.utils.data.Dataset):
+        x = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(3))
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    def run(cpu):
+        torch.manual_seed(0)
+        model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, max_position_embeddings=64))
+        args = T.TrainingArguments(output_dir=str(tmp_path / str(cpu)), per_device_train_batch_size=2, max_steps=3,
+                                   learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                   disable_tqdm=True, use_cpu=True, seed=0, gradient_checkpointing=True,
+                                   gradient_checkpointing_kwargs={"use_reentrant": False})
+        config = ({"zero": {"plugin": "stage2"}, "activation_checkpointing": {"plugin": "cpu", "min_offload_bytes": 0}}
+                  if cpu else
+                  {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                   "zero_optimization": {"stage": 2},
+                   "activation_checkpointing": {"cpu_checkpointing": False, "partition_activations": False}})
+        trainer = ZeroplugTrainer(model=model, args=args, train_dataset=Tokens(), zeroplug_config=config)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, dict(getattr(trainer.engine.activations, "stats", {}))
+
+    ref, _ = run(False)
+    got, stats = run(True)
+    assert len(ref) == 3 and got == ref
+    assert stats["offloaded"] == 2 * 3 and stats["offloaded_bytes"] == 2 * 3 * 2 * 12 * 32 * 4
