@@ -63,7 +63,9 @@ class OnHost(ActivationStore):
                 log.warning("[zeroplug] activation_checkpointing.plugin = \"cpu\": the forward saved no checkpointed "
                             "block input of %d bytes or more, so nothing left the device; turn activation "
                             "checkpointing on (model.gradient_checkpointing_enable(), or torch.utils.checkpoint "
-                            "around each block)", self.options.min_offload_bytes)
+                            "around each block). A torch.compile'd model saves inside its compiled graph, "
+                            "where these hooks see no checkpoint: compile each block instead of the model",
+                            self.options.min_offload_bytes)
 
 
 @hookimpl
