@@ -77,6 +77,11 @@ class Engine:
         self.offload_optimizer = build("offload.optimizer", "optimizer")
         self.offload_param = build("offload.param", "param")
         self.partitioner = build("zero")
+        from .host_budget import check_host_budget
+        elements = self.partitioner.tier_elements(model)
+        check_host_budget(run, model, [
+            (f"offload.{tier.kind}", tier.host_bytes(elements.get(tier.kind, 0), self.precision.param_dtype))
+            for tier in (self.offload_optimizer, self.offload_param) if tier.capabilities.offloaded])
         factory = build("optimizer")
         factory.begin(self.offload_optimizer.device)
         self.partitioner.setup(model, self.precision, self.offload_optimizer, self.offload_param,

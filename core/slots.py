@@ -114,6 +114,13 @@ class OptimizerFactory:
         for (cpu_adam: loading its kernel), so that no training step pays for it."""
 
     @classmethod
+    def state_bytes(cls, options, run: RunContext) -> int:
+        """Bytes of element-wise state per fp32 master element that the built optimizer keeps
+        (what an offload tier holds beside each master; the host budget counts it). The
+        default: Adam's two fp32 moments."""
+        return 8
+
+    @classmethod
     def grad_dtypes(cls, options, run: RunContext, state_device: torch.device) -> tuple[torch.dtype, ...]:
         """Gradient dtypes the built optimizer reads for fp32 masters on ``state_device``
         (a tier may hold gradients in the model dtype only if it is one of them)."""
@@ -218,6 +225,14 @@ class Partitioner:
 
     def __init__(self, options, run: RunContext):
         self.options, self.run = options, run
+
+    def tier_elements(self, module: torch.nn.Module) -> dict[str, int]:
+        """Elements of this rank's shard that the offload tiers will hold, by kind
+        ("optimizer": fp32 masters of the trainable parameters; "param": model-dtype
+        parameter shards), counted before :meth:`setup` allocates anything: ``initialize``
+        asks the tiers for the host memory they need for them (:mod:`zeroplug.host_budget`).
+        The default: every trainable element on every rank (no sharding), no parameter shards."""
+        return {"optimizer": sum(p.numel() for p in module.parameters() if p.requires_grad), "param": 0}
 
     def setup(self, module: torch.nn.Module, precision: Precision,
               offload_optimizer: OffloadTier, offload_param: OffloadTier, groups=None) -> None:

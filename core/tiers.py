@@ -83,6 +83,26 @@ class Layout:
     write_shard: Callable[[int], ContextManager[torch.Tensor]] | None = None
 
 
+@dataclass(frozen=True)
+class HostBytes:
+    """Host memory a tier will hold: page-locked (``pinned``) and ordinary (``pageable``)
+    bytes, and what they are (for messages)."""
+    pinned: int = 0
+    pageable: int = 0
+    what: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.pinned + self.pageable
+
+
+def optimizer_state_bytes(run) -> int:
+    """Bytes of element-wise optimizer state per master element of the selected optimizer
+    (its factory's declared ``state_bytes``)."""
+    choice = run.config.slot("optimizer")
+    return int(choice.impl.state_bytes(choice.options, run))
+
+
 def grad_multiplier(optimizer) -> float:
     """What this step multiplies gradients by: 1 / the engine's ``optimizer.grad_scale``."""
     scale = getattr(optimizer, "grad_scale", None)
@@ -160,6 +180,23 @@ class OffloadTier:
     @property
     def capabilities(self) -> TierCapabilities:
         return TierCapabilities(offloaded=self.device != self.run.device)
+
+    def host_bytes(self, numel: int, param_dtype: torch.dtype) -> HostBytes:
+        """The host memory this tier will hold for ``numel`` elements of this rank's shard
+        (kind "optimizer": fp32 masters with their gradients and the optimizer's states,
+        :func:`optimizer_state_bytes`; kind "param": model-dtype shards). ``initialize`` asks
+        before anything is allocated and refuses a run whose tiers do not fit the host
+        (:mod:`zeroplug.host_budget`). The default: nothing when the states stay with the
+        model; else master, fp32 gradient and states, pageable, in a host tier."""
+        if not self.capabilities.offloaded or self.device.type != "cpu" or numel <= 0:
+            return HostBytes()
+        if self.kind == "param":
+            size = torch.empty((), dtype=param_dtype).element_size()
+            return HostBytes(pageable=size * numel, what=f"{numel:,} parameter elements x {size} bytes")
+        states = optimizer_state_bytes(self.run)
+        return HostBytes(pageable=(8 + states) * numel,
+                         what=f"{numel:,} master elements x {8 + states} bytes (master 4 + gradient 4 + "
+                              f"optimizer states {states})")
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer in this tier (stage 3 allocates parameter shards with it)."""

@@ -14,7 +14,7 @@ from zeroplug.errors import ConfigError, HostMemoryError
 from zeroplug.flat import mixed_grad_ok
 from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.options import opt
-from zeroplug.tiers import OffloadTier, TierCapabilities, reads_grad_dtype
+from zeroplug.tiers import HostBytes, OffloadTier, TierCapabilities, optimizer_state_bytes, reads_grad_dtype
 
 from .host import GRANULARITY, HostTier
 
@@ -133,6 +133,31 @@ class CPUOffload(HostTier):
             raise ConfigError(
                 f"offload.optimizer.gpu_resident_ratio = {ratio} keeps {need / GB:.2f} GiB of optimizer states "
                 f"on the GPU but only {free / GB:.2f} GiB is free there; lower it (or set 0)")
+
+    def host_bytes(self, numel, param_dtype):
+        if numel <= 0:
+            return HostBytes()
+        psize = torch.empty((), dtype=param_dtype).element_size()
+        pinned = self.options.pin_memory and torch.cuda.is_available()
+        if self.kind == "param":
+            n = psize * numel
+            what = f"{numel:,} parameter elements x {psize} bytes"
+        else:
+            # Note: the gradient shard is in the model dtype only where grad_dtype() will
+            # find it exact (one rank, no accumulation, an optimizer that reads it); the
+            # layout that decides it does not exist yet, so the rule is applied to the config
+            batch = self.run.config.batch
+            exact = (self.options.grad_dtype == "auto" and self.run.world_size == 1
+                     and batch.gradient_accumulation_steps == 1 and psize < 4 and mixed_grad_ok()
+                     and reads_grad_dtype(self.run, param_dtype, torch.device("cpu")))
+            gb = psize if exact else 4
+            states = optimizer_state_bytes(self.run)
+            delayed = gb + psize if self.options.delayed_update else 0
+            per = 4 + gb + states + delayed
+            n = per * numel
+            what = (f"{numel:,} master elements x {per} bytes: master 4 + gradient {gb} + optimizer states "
+                    f"{states}" + (f" + delayed update {delayed}" if delayed else ""))
+        return HostBytes(pinned=n, what=what) if pinned else HostBytes(pageable=n, what=what)
 
     def check_memory(self, nbytes, what):
         limit = self.options.host_memory_limit_gb * GB or host_available_bytes()

@@ -5,7 +5,7 @@ import torch
 
 from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.plugins.offload_cpu.host import HostTier
-from zeroplug.tiers import TierCapabilities
+from zeroplug.tiers import HostBytes, TierCapabilities
 
 from .options import NVMeOptions
 from .param_swap import ParamSwap
@@ -39,6 +39,23 @@ class NVMeOffload(HostTier):
     def cpu_workers(cls, options, run, kind) -> dict[str, int]:
         """The swapper's copy threads (its I/O threads wait for the disk)."""
         return {"copy": COPY_THREADS}
+
+    def host_bytes(self, numel, param_dtype):
+        """Kind "optimizer": the gradient shard and, while the tier starts, the masters
+        (written to the swap files then); the optimizer's states live in the files. Kind
+        "param": the shards kept in memory (max_in_cpu). The swap buffers, sized by the
+        largest sub-group, are checked when the tier plans its swap."""
+        pinned = self.options.pin_memory and torch.cuda.is_available()
+        if self.kind == "param":
+            size = torch.empty((), dtype=param_dtype).element_size()
+            keep = min(numel, self.options.max_in_cpu or 0)
+            buffers = (self.options.buffer_count or 0) * min(numel, self.options.buffer_size or 0) * size
+            n = size * keep + buffers
+            what = (f"{keep:,} parameter elements kept in memory (max_in_cpu) x {size} bytes + swap buffers "
+                    f"{buffers / 2**30:.2f} GiB")
+        else:
+            n, what = 8 * numel, f"{numel:,} master elements x 8 bytes: gradient 4 + master 4 until it is swapped out"
+        return HostBytes(pinned=n, what=what) if pinned else HostBytes(pageable=n, what=what)
 
     def prepare(self, optimizer) -> None:
         """Nothing ahead: each sub-group's states are created when it is first brought in

@@ -227,6 +227,10 @@ class SGD(OptimizerFactory):
     """torch.optim.SGD."""
     Options = SGDOptions
 
+    @classmethod
+    def state_bytes(cls, options, run):
+        return 4 if options.momentum else 0       # the fp32 momentum buffer
+
     def build(self, params, device):
         o = self.options
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, dampening=o.dampening,

@@ -40,6 +40,15 @@ class FlatPartitioner(Partitioner):
     param_tier_units: frozenset = frozenset()   # units whose shard the param tier holds (stage 3)
 
     # -- setup ----------------------------------------------------------------------
+    def tier_elements(self, module):
+        """This rank's share (padding aside) of the trainable elements (stages 1-3) and, at
+        stage 3, of every parameter's elements (frozen ones are sharded too)."""
+        world = self.run.world_size
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        every = sum(p.numel() for p in module.parameters() if p.is_floating_point())
+        return {"optimizer": -(-trainable // world) if self.shard_optimizer else trainable,
+                "param": -(-every // world) if self.shard_params else 0}
+
     def setup(self, module, precision, offload_optimizer, offload_param, groups: ParamGroups | None = None):
         run = self.run
         self.module, self.precision, self.comm = module, precision, run.comm
