@@ -42,8 +42,12 @@ class FlatPartitioner(Partitioner):
     # -- setup ----------------------------------------------------------------------
     def tier_elements(self, module):
         """This rank's share (padding aside) of the trainable elements (stages 1-3) and, at
-        stage 3, of every parameter's elements (frozen ones are sharded too)."""
+        stage 3, of every parameter's elements (frozen ones are sharded too), among the ranks
+        of its shard group (zero.shard_group_size)."""
         world = self.run.world_size
+        size = self.options.shard_group_size
+        if 0 < size < world:
+            world = size
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         every = sum(p.numel() for p in module.parameters() if p.is_floating_point())
         return {"optimizer": -(-trainable // world) if self.shard_optimizer else trainable,
