@@ -67,7 +67,7 @@ def _train(engine, rank, world, gas, steps):
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
-        engine.run.comm.all_reduce(total)
+        getattr(engine, "zeroplug_engine", engine).run.comm.all_reduce(total)     # (the DeepSpeed wrapper's)
         losses.append(total.item() / (gas * world))
     return losses
 
@@ -120,12 +120,22 @@ def _deepspeed_and_bad_size(rank, world):
     ds_run = {"losses": _train(e, rank, world, 1, range(STEPS)), "state": e.consolidated_state_dict(),
               "skipped": e.skipped_steps, "layout_world": e.partitioner.layout_world}
     e.close()
+    # MiCS as DeepSpeed scripts write it: the model built inside MiCS_Init, then initialize
+    import zeroplug.deepspeed as deepspeed
+    mics = dict(ds, zero_optimization={"stage": 3, "mics_shard_size": 2})
+    torch.manual_seed(0)
+    with deepspeed.zero.MiCS_Init(config_dict_or_path=mics):
+        model = ToyNet()
+    e, *_ = deepspeed.initialize(model=model, config=mics)
+    mics_run = {"losses": _train(e, rank, world, 1, range(STEPS)), "state": e.consolidated_state_dict(),
+                "skipped": e.skipped_steps, "layout_world": e.zeroplug_engine.partitioner.layout_world}
+    e.destroy()
     try:
         _engine(_config(2, "fp32", 0.0, 1, world, 3, {}), False)
         bad = None
     except ConfigError as exc:
         bad = (str(exc), exc.key)
-    return ds_run, bad
+    return {"hpz": ds_run, "mics": mics_run}, bad
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +211,14 @@ def test_checkpoints_load_at_another_world_and_group_size(spawned):
 
 
 @pytest.mark.slow
-def test_deepspeed_hpz_trains_in_groups(spawned, references):
-    """DeepSpeed's zero_hpz_partition_size = 2 on 4 ranks: groups of 2, like torch AdamW."""
-    res = spawned["4x2"]["deepspeed"]
+@pytest.mark.parametrize("key", ["hpz", "mics"])
+def test_deepspeed_keys_train_in_groups(spawned, references, key):
+    """DeepSpeed's zero_hpz_partition_size = 2 (zeroplug.initialize) and mics_shard_size = 2 (a
+    model built in deepspeed.zero.MiCS_Init, then deepspeed.initialize) on 4 ranks: groups of 2,
+    like torch AdamW."""
+    res = spawned["4x2"]["deepspeed"][key]
     assert res["layout_world"] == 2
-    _check(res, *references[0.0], "fp32", "zero_hpz_partition_size = 2")
+    _check(res, *references[0.0], "fp32", key)
 
 
 @pytest.mark.slow

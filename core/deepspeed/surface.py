@@ -82,6 +82,8 @@ SURFACE: list[tuple[str, str, str, str]] = [
      "(fp32 by default); `remote_device`, `pin_memory` accepted (the shards go to the config's offload_param "
      "tier at initialize); `enabled=False`: a plain build. `module=`, process groups, `mpu` and quantized "
      "weights refused"),
+    ("deepspeed.zero.MiCS_Init", "zeroplug.init (stage 3, zero.shard_group_size)", SUPPORTED,
+     "as `deepspeed.zero.Init`, sharded within the groups of the config's `mics_shard_size` ranks"),
     ("deepspeed.zero.GatheredParameters", "zeroplug.gathered_parameters", SUPPORTED,
      "whole parameters inside, on every rank; with `modifier_rank` that rank's values are partitioned again "
      "to every rank on exit (before initialize, and after it into the fp32 masters too); without it a write "
@@ -153,7 +155,7 @@ SURFACE: list[tuple[str, str, str, str]] = [
 # where each public module attribute is listed (the test's map from code to rows)
 MODULES = {
     "zeroplug.deepspeed": ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine"],
-    "zeroplug.deepspeed.zero": ["Init", "GatheredParameters", "register_external_parameter"],
+    "zeroplug.deepspeed.zero": ["Init", "MiCS_Init", "GatheredParameters", "register_external_parameter"],
     "zeroplug.deepspeed.comm": "deepspeed.comm.",
     "zeroplug.deepspeed.ops.adam": ["DeepSpeedCPUAdam", "FusedAdam"],
     "zeroplug.deepspeed.ops.lamb": ["FusedLamb"],

@@ -7,7 +7,7 @@ import torch
 from zeroplug.errors import ConfigError
 from zeroplug.gathering import gathered_parameters
 
-__all__ = ["Init", "GatheredParameters", "register_external_parameter"]
+__all__ = ["Init", "MiCS_Init", "GatheredParameters", "register_external_parameter"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -72,6 +72,12 @@ class Init:
             return False
         ctx, self._ctx = self._ctx, None
         return ctx.__exit__(*exc)
+
+
+class MiCS_Init(Init):
+    """``with deepspeed.zero.MiCS_Init(config_dict_or_path=ds_config): model = build()``: as
+    :class:`Init`, sharded within the groups of the config's ``mics_shard_size`` ranks
+    (``zero.shard_group_size``), as ``initialize`` then trains them."""
 
 
 class GatheredParameters:
