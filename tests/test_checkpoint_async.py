@@ -212,3 +212,39 @@ def test_two_ranks_async_save(tmp_path, stage):
     assert all(r["error"] and "EIO" in r["error"] and "rank 1" in r["error"] for r in bad), bad
     assert not (tmp_path / "bad" / "latest").exists()
     assert [p.name for p in (tmp_path / "bad").iterdir() if p.name != ".zeroplug.lock"] == []
+
+
+# --- on a GPU: the copies into pinned host memory on a stream of their own ------------------------
+
+def _gpu_train(engine, steps):
+    from test_checkpoint import batch
+    out = []
+    for s in steps:
+        x, y = batch(s, 0)
+        loss = engine(x.cuda(), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["stage3_bf16", "stage2_cpu", "stage1_fp16"])
+def test_gpu_async_save_holds_the_states_of_its_call(tmp_path, monkeypatch, name):
+    import zeroplug
+
+    def make_gpu(seed):
+        torch.manual_seed(seed)
+        return zeroplug.initialize(DropNet(), CONFIGS[name], device="cuda")
+    ref = _gpu_train(make_gpu(0), range(7))
+    _slow(monkeypatch)
+    e = make_gpu(0)
+    first = _gpu_train(e, range(4))
+    e.save_checkpoint(tmp_path, client_state={"data_pos": 4}, async_save=True)
+    assert _gpu_train(e, range(4, 7)) == ref[4:]
+    assert e.background_saves.staging.pinned is not None and e.background_saves.staging.pinned.is_pinned()
+    e.close()
+    e2 = make_gpu(5)
+    e2.load_checkpoint(tmp_path)
+    assert first + _gpu_train(e2, range(4, 7)) == ref
+    e2.close()
