@@ -213,7 +213,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     # Note: every rank learns whether any rank's step failed (and the sizes) before any
     # writes, so that all refuse together rather than wait for each other.
     nbytes = _estimate_bytes(engine)
-    room = _staging_room(saves, nbytes) if async_save else None
+    room = saves.room(nbytes) if async_save else None
     status = comm.all_gather_object({"failed": engine.run.failed, "bytes": nbytes, "room": room})
     failed = next((st["failed"] for st in status if st["failed"]), None)
     if failed is not None:
@@ -261,60 +261,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         failure = exc
     if not async_save:
         return job.write(state, failure, comm)
-    return _start(engine, job, state, failure)
-
-
-def _staging_room(saves, nbytes: int) -> str | None:
-    """None if this rank's host memory can hold the copies an asynchronous save takes
-    (``nbytes``, less the buffers it keeps from the last one), else why not."""
-    from zeroplug.observe.memory import host_available_bytes
-    extra = max(0, nbytes - saves.staging.held)
-    avail = host_available_bytes()
-    if extra + _HOST_RESERVE <= avail:
-        return None
-    return (f"the copy of the states it writes in the background needs {checkpoint_dir.fmt_bytes(extra)} more "
-            f"host memory, this host has {checkpoint_dir.fmt_bytes(avail)} available (keeping "
-            f"{checkpoint_dir.fmt_bytes(_HOST_RESERVE)} free)")
-
-
-#: host memory an asynchronous save leaves free (the page cache its own writes need, the
-#: training's small allocations)
-_HOST_RESERVE = 1 << 30
-
-
-def _start(engine, job, state, failure) -> str:
-    """The asynchronous half of :func:`save_checkpoint`: the values the forward changes
-    are copied now, the rest by the writer thread before it writes."""
-    from .staging import split
-    saves = engine.background_saves
-    comm = saves.comm(engine.run.comm)
-    places, after = [], None
-    if failure is None:
-        try:
-            buffers = {b.data_ptr() for b in engine.module.buffers()}
-            state, places = split(state, buffers)
-            if any(t.device.type == "cuda" for _, _, t in places):
-                after = torch.cuda.Event()
-                after.record(torch.cuda.current_stream(next(t.device for _, _, t in places if t.is_cuda)))
-        except Exception as exc:    # noqa: BLE001 - reported through the exchange
-            failure, state = exc, None
-    first = failure
-
-    def copy() -> None:
-        if first is not None:
-            raise first
-        saves.staging.copy(places, after)
-
-    def write(error) -> None:
-        nonlocal state
-        try:
-            job.write(state, error, comm)
-        finally:
-            state = None
-            places.clear()
-
-    saves.start(f"checkpoint {job.tag!r} in {job.save_dir}", copy, write)
-    return str(job.save_dir / job.tag)
+    return saves.launch(engine, job, state, failure)
 
 
 class _Job:

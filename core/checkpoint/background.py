@@ -30,9 +30,15 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from .files import CheckpointError
 
 log = logging.getLogger("zeroplug")
+
+#: host memory an asynchronous save leaves free (the page cache its own writes need, the
+#: training's small allocations); a save that would take more is synchronous
+HOST_RESERVE = 1 << 30
 
 
 class BackgroundSaves:
@@ -66,6 +72,56 @@ class BackgroundSaves:
             from .staging import Staging
             self._staging = Staging()
         return self._staging
+
+    def room(self, nbytes: int) -> str | None:
+        """None if this rank's host memory can hold the copies of an asynchronous save of
+        ``nbytes`` (less the buffers kept from the last one), else why not."""
+        from zeroplug.observe.memory import host_available_bytes
+        from .directory import fmt_bytes
+        held = self._staging.held if self._staging is not None else 0
+        extra = max(0, nbytes - held)
+        avail = host_available_bytes()
+        if extra + HOST_RESERVE <= avail:
+            return None
+        return (f"the copy of the states it writes in the background needs {fmt_bytes(extra)} more host "
+                f"memory, this host has {fmt_bytes(avail)} available (keeping {fmt_bytes(HOST_RESERVE)} free)")
+
+    def launch(self, engine, job, state, failure) -> str:
+        """The asynchronous half of a save: ``state`` (this rank's file, as views) with the
+        values the forward changes copied now; the thread copies the rest into host memory,
+        then ``job.write(state, error, comm)`` (every rank's thread takes part). ``failure``:
+        what went wrong while building ``state`` (reported through the exchange). Returns
+        the checkpoint's path."""
+        from .staging import split
+        comm = self.comm(engine.run.comm)
+        places, after = [], None
+        if failure is None:
+            try:
+                buffers = {b.data_ptr() for b in engine.module.buffers()}
+                state, places = split(state, buffers)
+                cuda = [t for _, _, t in places if t.is_cuda]
+                if cuda:
+                    after = torch.cuda.Event()
+                    after.record(torch.cuda.current_stream(cuda[0].device))
+            except Exception as exc:    # noqa: BLE001 - reported through the exchange
+                failure, state = exc, None
+        first = failure
+
+        def copy() -> None:
+            if first is not None:
+                raise first
+            self.staging.copy(places, after)
+
+        def write(error) -> None:
+            nonlocal state
+            try:
+                job.write(state, error, comm)
+            finally:
+                state = None
+                places.clear()
+
+        self.start(f"checkpoint {job.tag!r} in {job.save_dir}", copy, write)
+        return str(job.save_dir / job.tag)
 
     def start(self, name: str, copy, write) -> None:
         """Run ``copy()`` then ``write(error)`` on a thread (``error``: the exception
