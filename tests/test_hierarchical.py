@@ -95,6 +95,7 @@ def run_cases(rank, world, group, ckpt_dir, loads):
         e.close()
     if world == 4:
         out["deepspeed"], out["bad"] = _deepspeed_and_bad_size(rank, world)
+        out["need"] = {g: _refused_save(rank, world, g, f"{ckpt_dir}/full{g}") for g in (group, None)}
     e = _engine(_config(3, "fp32", 0.0, 1, world, group, {}), False)
     _train(e, rank, world, 1, range(K))
     e.save_checkpoint(f"{ckpt_dir}/w{world}g{group}")
@@ -136,6 +137,25 @@ def _deepspeed_and_bad_size(rank, world):
     except ConfigError as exc:
         bad = (str(exc), exc.key)
     return {"hpz": ds_run, "mics": mics_run}, bad
+
+
+def _refused_save(rank, world, group, path):
+    """The size a stage-3 save says it needs, with rank 0's disk reported full (the free-space
+    check refuses it before writing, naming the size)."""
+    from zeroplug.checkpoint import CheckpointError
+    from zeroplug.checkpoint import directory
+    e = _engine(_config(3, "fp32", 0.0, 1, world, group, {}), False)
+    _train(e, rank, world, 1, range(1))
+    real, directory.free_bytes = directory.free_bytes, lambda d: 1
+    try:
+        e.save_checkpoint(path)
+        message = None
+    except CheckpointError as exc:
+        message = str(exc)
+    finally:
+        directory.free_bytes = real
+    e.close()
+    return message
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +280,17 @@ def test_deepspeed_group_keys_refused(zero, key):
     with pytest.raises(ConfigError) as err:
         _translate(zero)
     assert err.value.key == key
+
+
+@pytest.mark.slow
+def test_free_space_check_counts_one_copy(spawned):
+    """A grouped run writes each shard once (group 0's ranks): the free-space check before a
+    save asks for what a flat run of the same model asks for, not once per group."""
+    import re
+    need = spawned["4x2"]["need"]
+    sizes = {}
+    for g, message in need.items():
+        m = re.search(r"needs about ([\d.]+) (bytes|KiB|MiB|GiB)", message or "")
+        assert m, message
+        sizes[g] = float(m.group(1)) * {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+    assert abs(sizes[2] - sizes[None]) <= 0.05 * sizes[None], need

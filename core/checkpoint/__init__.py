@@ -160,8 +160,10 @@ def _estimate_bytes(engine) -> int:
     cannot be sized: the estimate only guards the free-space check, never a save."""
     try:
         part = engine.partitioner
-        if not getattr(part, "shard_optimizer", True) and engine.run.rank != 0:
-            return 0                            # replicated: rank 0 writes it
+        # Note: one copy of each shard is written: stage 0's (replicated) by rank 0, a grouped
+        # run's (zero.shard_group_size) by the ranks whose rank in their shard group is their own
+        if getattr(part, "layout_rank", engine.run.rank) != engine.run.rank:
+            return 0
         psize = torch.empty((), dtype=engine.precision.param_dtype).element_size()
         # Note: an fp32 model whose masters stay on the training device trains the masters
         # themselves (no second copy is saved); an offloaded tier keeps its own fp32 copy.
