@@ -248,3 +248,15 @@ def test_gpu_async_save_holds_the_states_of_its_call(tmp_path, monkeypatch, name
     e2.load_checkpoint(tmp_path)
     assert first + _gpu_train(e2, range(4, 7)) == ref
     e2.close()
+
+
+def test_zeroplug_train_async_save(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "zeroplug.cli", "train", "--steps", "2", "--async-save",
+                          f"--checkpoint.dir={tmp_path}", "--checkpoint.every_n_steps=1"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"checkpoint {tmp_path / 'global_step1'} (being written in the background)" in out.stderr
+    assert (tmp_path / "latest").read_text() == "global_step2"       # close() waited for the last one
+    checkpoint.verify(tmp_path / "global_step2", checkpoint.read_manifest(tmp_path / "global_step2"))

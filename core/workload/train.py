@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     t.add_argument("--collective-timeout", type=float, metavar="SECONDS",
                    help="under torchrun: a collective that waits this long for another rank fails and "
                         "ends the job (default: torch's, 30 min for gloo, 10 for NCCL)")
+    t.add_argument("--async-save", action="store_true",
+                   help="write each checkpoint in the background while training goes on (the same as "
+                        "--checkpoint.async_save=true; docs/reliability.md)")
     t.add_argument("--resume", nargs="?", const="latest", metavar="auto|TAG",
                    help="continue from the checkpoint that [checkpoint] dir's 'latest' names (if there is "
                         "one); =auto: or, if that one is missing or corrupt, from the newest that verifies; "
@@ -136,6 +139,8 @@ def cmd_train(args, overrides) -> int:
     raw = _read_config_file(cfg_path)
     if device == "cuda" and "precision" not in raw and not any(o.startswith("--precision.") for o in overrides):
         overrides = ["--precision.plugin=bf16", *overrides]       # the GPU default
+    if args.async_save:
+        overrides = [*overrides, "--checkpoint.async_save=true"]
     cfg, run, _ = make_run(config_mod.apply_overrides(raw, overrides), device=device)
     rank, world = run.rank, run.world_size
     if rank == 0:
