@@ -114,17 +114,16 @@ class OptimizerFactory:
         for (cpu_adam: loading its kernel), so that no training step pays for it."""
 
     @classmethod
-    def state_bytes(cls, options, run: RunContext) -> int:
-        """Bytes of element-wise state per fp32 master element that the built optimizer keeps
-        (what an offload tier holds beside each master; the host budget counts it). The
-        default: Adam's two fp32 moments."""
-        return 8
-
-    @classmethod
     def grad_dtypes(cls, options, run: RunContext, state_device: torch.device) -> tuple[torch.dtype, ...]:
         """Gradient dtypes the built optimizer reads for fp32 masters on ``state_device``
         (a tier may hold gradients in the model dtype only if it is one of them)."""
         return (torch.float32,)
+
+    @classmethod
+    def state_bytes(cls, options, run: RunContext, state_device: torch.device) -> float:
+        """Bytes per master element of the optimizer's states on ``state_device`` (what an
+        offload tier reserves beside the master and the gradient; Adam's two fp32 moments: 8)."""
+        return 8.0
 
 
 class Scheduler:

@@ -96,13 +96,6 @@ class HostBytes:
         return self.pinned + self.pageable
 
 
-def optimizer_state_bytes(run) -> int:
-    """Bytes of element-wise optimizer state per master element of the selected optimizer
-    (its factory's declared ``state_bytes``)."""
-    choice = run.config.slot("optimizer")
-    return int(choice.impl.state_bytes(choice.options, run))
-
-
 def grad_multiplier(optimizer) -> float:
     """What this step multiplies gradients by: 1 / the engine's ``optimizer.grad_scale``."""
     scale = getattr(optimizer, "grad_scale", None)
@@ -145,6 +138,13 @@ def reads_grad_dtype(run, dtype: torch.dtype, state_device: torch.device) -> boo
     ``state_device`` (its factory's declared ``grad_dtypes``)."""
     choice = run.config.slot("optimizer")
     return dtype in choice.impl.grad_dtypes(choice.options, run, state_device)
+
+
+def optimizer_state_bytes(run, state_device: torch.device) -> float:
+    """Bytes per master element of the selected optimizer's states on ``state_device`` (its
+    factory's declared ``state_bytes``)."""
+    choice = run.config.slot("optimizer")
+    return float(choice.impl.state_bytes(choice.options, run, state_device))
 
 
 class OffloadTier:
@@ -193,10 +193,10 @@ class OffloadTier:
         if self.kind == "param":
             size = torch.empty((), dtype=param_dtype).element_size()
             return HostBytes(pageable=size * numel, what=f"{numel:,} parameter elements x {size} bytes")
-        states = optimizer_state_bytes(self.run)
-        return HostBytes(pageable=(8 + states) * numel,
-                         what=f"{numel:,} master elements x {8 + states} bytes (master 4 + gradient 4 + "
-                              f"optimizer states {states})")
+        states = optimizer_state_bytes(self.run, self.device)
+        return HostBytes(pageable=int((8 + states) * numel),
+                         what=f"{numel:,} master elements x {8 + states:g} bytes: master 4 + gradient 4 + "
+                              f"optimizer states {states:g}")
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer in this tier (stage 3 allocates parameter shards with it)."""

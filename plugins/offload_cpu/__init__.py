@@ -151,12 +151,12 @@ class CPUOffload(HostTier):
                      and batch.gradient_accumulation_steps == 1 and psize < 4 and mixed_grad_ok()
                      and reads_grad_dtype(self.run, param_dtype, torch.device("cpu")))
             gb = psize if exact else 4
-            states = optimizer_state_bytes(self.run)
+            states = optimizer_state_bytes(self.run, torch.device("cpu"))
             delayed = gb + psize if self.options.delayed_update else 0
             per = 4 + gb + states + delayed
-            n = per * numel
-            what = (f"{numel:,} master elements x {per} bytes: master 4 + gradient {gb} + optimizer states "
-                    f"{states}" + (f" + delayed update {delayed}" if delayed else ""))
+            n = int(per * numel)
+            what = (f"{numel:,} master elements x {per:g} bytes: master 4 + gradient {gb} + optimizer states "
+                    f"{states:g}" + (f" + delayed update {delayed}" if delayed else ""))
         return HostBytes(pinned=n, what=what) if pinned else HostBytes(pageable=n, what=what)
 
     def check_memory(self, nbytes, what):

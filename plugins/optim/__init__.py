@@ -228,8 +228,8 @@ class SGD(OptimizerFactory):
     Options = SGDOptions
 
     @classmethod
-    def state_bytes(cls, options, run):
-        return 4 if options.momentum else 0       # the fp32 momentum buffer
+    def state_bytes(cls, options, run, state_device):
+        return 4.0 if options.momentum else 0.0      # the fp32 momentum buffer
 
     def build(self, params, device):
         o = self.options
