@@ -1,9 +1,6 @@
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))   # tests import toy / distributed helpers
-
-import torch  # noqa: E402
+import torch
 
 # Note: the tests use tiny models; with torch's default threads on a busy 2-core
 # machine a small op can take 1000x longer than on one thread.
@@ -15,5 +12,5 @@ torch.set_num_threads(1)
 os.environ.setdefault("ZEROPLUG_DEVICE", "cpu")
 
 # Note: cpu_adam gives torch the cores of the rank by default; the tests keep one thread
-# (see above), and spawned ranks inherit it. tests/test_cpu_adam_threads.py clears it.
+# (see above), and spawned ranks inherit it. tests/offload/test_cpu_adam_threads.py clears it.
 os.environ.setdefault("ZEROPLUG_CPU_ADAM_THREADS", "1")

@@ -180,7 +180,7 @@ def api_markdown() -> str:
         out.append(f"| `{name}` | {f'`{target}`' if target else ''} | {status} | {notes} |")
     out += ["", "## Scripts that run by their imports", "",
             "Each runs on 1 and 2 CPU ranks as DeepSpeed's launcher starts it, and its losses equal plain "
-            "torch's (tests/test_deepspeed_scripts.py; the scripts are tests/deepspeed_scripts/):", "",
+            "torch's (tests/integrations/test_deepspeed_scripts.py; the scripts are tests/integrations/deepspeed_scripts/):", "",
             "* DeepSpeedExamples' CIFAR script (`initialize(args=, model=, model_parameters=, training_data=)`, "
             "the returned data loader, `get_accelerator()`);",
             "* DeepSpeed-Chat's supervised fine-tuning, step 1 (`FusedAdam` over grouped parameters, "
@@ -194,5 +194,5 @@ def api_markdown() -> str:
             "and an exact resume);",
             "* a plain script on `deepspeed.comm`, `add_config_arguments` and `init_distributed`.", "",
             "The scripts of hosts (transformers' Trainer, accelerate, Lightning) are "
-            "tests/test_deepspeed_script_hosts.py."]
+            "tests/integrations/test_deepspeed_script_hosts.py."]
     return "\n".join(out)

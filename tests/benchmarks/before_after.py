@@ -89,7 +89,7 @@ def site_of(tree: Path) -> Path:
 def run_one(tree: Path, site: Path, workload: list[str], out_json: Path, extra: list[str]) -> dict | None:
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "tests/benchmarks/h100_bench.py", "workload", *workload, *extra, "--json", str(out_json)]
+    cmd = [sys.executable, "-m", "tests.benchmarks.h100_bench", "workload", *workload, *extra, "--json", str(out_json)]
     r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
     print(f"  {tree.name}: {line or 'FAILED: ' + (r.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)

@@ -1,8 +1,8 @@
 """torch.compile under zeroplug stage 3 beside FSDP2 compiled the same way, and the
 mixture-of-experts check (experts idle on some ranks), on several GPUs.
 
-    torchrun --nproc-per-node 4 tests/benchmarks/compile_bench.py table [--model 1.3B] [--steps 10] [--rows fsdp2,stage3]
-    torchrun --nproc-per-node 4 tests/benchmarks/compile_bench.py moe
+    torchrun --nproc-per-node 4 -m tests.benchmarks.compile_bench table [--model 1.3B] [--steps 10] [--rows fsdp2,stage3]
+    torchrun --nproc-per-node 4 -m tests.benchmarks.compile_bench moe
 
 ``table``: the reference workload (shared/WORKLOAD.md: micro batch 8 per GPU, sequence
 1,024, bf16, AdamW lr 1e-4, clipping 1.0, activation checkpointing on every block), one
@@ -19,13 +19,12 @@ routes to them) where rank r's tokens route only to its own two experts, trained
 on every rank; prints the worst loss and parameter differences and PASS / FAIL.
 
 Without CUDA both run on the CPU (gloo) as a smoke test of the code paths, e.g.
-``MEMORY_FLOOR_SEQ=64 torchrun --nproc-per-node 2 tests/benchmarks/compile_bench.py table
+``MEMORY_FLOOR_SEQ=64 torchrun --nproc-per-node 2 -m tests.benchmarks.compile_bench table
 --model char-tiny --steps 1 --warmup 1``.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -33,8 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-from memory_floor import MICRO_BATCH, SEQ, setup_distributed, world, zeroplug_config  # noqa: E402
+from tests.benchmarks.memory_floor import MICRO_BATCH, SEQ, setup_distributed, world, zeroplug_config
 
 GiB = 1024 ** 3
 ROWS = {   # --rows key -> label

@@ -12,14 +12,11 @@ tests' conftest pins one); under ``--benchmark-disable`` each runs once, as a qu
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from bench_common import bench_size  # noqa: E402
+from tests.benchmarks.bench_common import bench_size
 
 
 def _enabled(config) -> bool:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does a cpu_adam kernel call block other Python threads (the GIL), and what does releasing it cost?
 
-    python tests/benchmarks/cpu_adam_gil.py --n 2e8
+    python -m tests.benchmarks.cpu_adam_gil --n 2e8
 
 For inductor's default binding and the C++ wrapper (``cpp_wrapper``, which releases the
 GIL): the median kernel time (calls interleaved) and, while a worker thread runs 10
@@ -15,12 +15,10 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_adam_table import load_cpu_adam  # noqa: E402
+from tests.benchmarks.cpu_adam_table import load_cpu_adam
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the kind of host memory change cpu_adam's speed (in training, against alone)?
 
-    python tests/benchmarks/cpu_adam_memory.py --n 5e8 --piece 5.03e7 --sub-group 1e8
+    python -m tests.benchmarks.cpu_adam_memory --n 5e8 --piece 5.03e7 --sub-group 1e8
 
 Steps the same sub-grouped shard (the 1.3B offload run's layout: unit pieces of
 ``--piece`` elements, sub-groups of ``--sub-group``, bf16 copy written into the pieces)
@@ -20,14 +20,12 @@ import argparse
 import gc
 import mmap
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_adam_table import load_cpu_adam  # noqa: E402
+from tests.benchmarks.cpu_adam_table import load_cpu_adam
 
 _KEEP: list = []      # mmaps backing thp tensors
 

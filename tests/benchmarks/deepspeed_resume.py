@@ -15,7 +15,7 @@ On a CUDA host where ``import deepspeed`` works, from the repository root::
 It prints both loss sequences, the largest difference and ``PASS`` when it is within
 ``--tol`` (bf16 rounding), and writes ``<out>/ds_stage<S>_result.json``. Every rank
 gets its slice of one global batch, so the batches do not depend on the world size.
-The zeroplug half and the argument parsing run on CPU too (tests/test_deepspeed_resume_script.py).
+The zeroplug half and the argument parsing run on CPU too (tests/integrations/test_deepspeed_resume_script.py).
 """
 from __future__ import annotations
 
@@ -193,5 +193,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.exit(main())

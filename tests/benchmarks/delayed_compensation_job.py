@@ -2,7 +2,7 @@
 with delay-compensation variants: what the forward sees, and corrections of the stale gradient.
 Prints the held-out loss (docs/benchmarks.md, "Delayed parameter update", compensation).
 
-  python3 tests/benchmarks/delayed_compensation_job.py --seq 64 --max-bytes 400000 --warmup 40 \
+  python3 -m tests.benchmarks.delayed_compensation_job --seq 64 --max-bytes 400000 --warmup 40 \
       --pred adam --corr lsq --lam 2 --fir1 0.75          # the best found: +1.4-1.7% over exact
 
 Semantics (as delayed_reference_job.py): after --warmup exact steps, the gradient of step t+1 is taken at
@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from delayed_reference_job import add_job_arguments, builtin_job
+from tests.benchmarks.delayed_reference_job import add_job_arguments, builtin_job
 
 
 def main() -> None:

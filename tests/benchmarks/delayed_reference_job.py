@@ -1,7 +1,7 @@
 """The built-in job (``zeroplug train`` defaults: char-tiny GPT, AdamW lr 2e-3, betas 0.9 / 0.95,
 weight decay 0.1, warmup_cosine 30 / 300 linear, clipping 1.0, micro batch 16) in plain torch,
 with a one-step delayed update after ``--warmup`` exact steps: the algorithm of the cpu tier's
-``delayed_update`` without zeroplug (tests/test_offload_delayed.py checks that zeroplug follows
+``delayed_update`` without zeroplug (tests/offload/test_offload_delayed.py checks that zeroplug follows
 it step for step). Prints the held-out loss at the end (docs/benchmarks.md, "Delayed parameter
 update").
 

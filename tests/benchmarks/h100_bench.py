@@ -1,8 +1,8 @@
 """GPU benchmarks on the reference workload (shared/WORKLOAD.md).
 
-  python tests/benchmarks/h100_bench.py workload --model 1.3B --zero stage2 [--steps 8]
-  python tests/benchmarks/h100_bench.py workload --model 1.3B --baseline torch
-  python tests/benchmarks/h100_bench.py offload-states --model 1.3B
+  python -m tests.benchmarks.h100_bench workload --model 1.3B --zero stage2 [--steps 8]
+  python -m tests.benchmarks.h100_bench workload --model 1.3B --baseline torch
+  python -m tests.benchmarks.h100_bench offload-states --model 1.3B
 
 Timing: median step time (forward + backward + optimizer, synchronised) after two
 warm-up steps; tokens/s = micro batch x seq / step time; peak GPU memory =
@@ -116,9 +116,7 @@ def swap_bytes(engine) -> tuple[int, int]:
 
 def disk_bandwidth(path: str, gib: float = 2.0) -> tuple[float, float]:
     """dd's O_DIRECT write and read bytes/s at ``path``, in this run (the I/O floor's denominator)."""
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from swapper_vs_dd import run_dd
+    from tests.benchmarks.swapper_vs_dd import run_dd
     os.makedirs(path, exist_ok=True)
     return run_dd(path, max(1, int(gib * 16)))
 

@@ -1,8 +1,8 @@
 """N ranks swapping the optimizer to NVMe on one disk, against dd with N writers and readers
 on the same path, in one call.
 
-  python3 tests/benchmarks/nvme_ranks.py --path /root/zeroplug_nvme               # every GPU, 1.3B
-  python3 tests/benchmarks/nvme_ranks.py --path /tmp/x --ranks 2 --model char-tiny --seq 128 --steps 4   # CPU smoke
+  python3 -m tests.benchmarks.nvme_ranks --path /root/zeroplug_nvme               # every GPU, 1.3B
+  python3 -m tests.benchmarks.nvme_ranks --path /tmp/x --ranks 2 --model char-tiny --seq 128 --steps 4   # CPU smoke
 
 1. dd: N ``dd if=/dev/zero of=F_i bs=64M oflag=direct`` at once, then N ``dd if=F_i
    of=/dev/null bs=64M iflag=direct`` at once (page cache dropped first where allowed):
@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from swapper_vs_dd import drop_caches      # the script beside this one
+from tests.benchmarks.swapper_vs_dd import drop_caches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

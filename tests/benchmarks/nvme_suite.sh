@@ -7,7 +7,7 @@ set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 P=${1:-/root/zeroplug_nvme}; mkdir -p "$P"
 export PYTHONUNBUFFERED=1
-B=tests/benchmarks/h100_bench.py
+B="-m tests.benchmarks.h100_bench"      # from the repository root
 left() { echo "left in $P: $(find "$P" -type f | wc -l) files, $(find "$P" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}') bytes"; }
 if [ -z "${NO_DD:-}" ]; then
 echo "== swapper vs dd, 4 GiB each way (the swapper suite at the gpu size)"

@@ -12,9 +12,9 @@ with ``batch.gradient_clipping`` = ``--clip`` (default 0: no clipping, so every 
 DeepSpeed's JSON says 1.0, and random tokens give norms above it, which makes every
 speculation roll back: ``--clip 1.0`` measures that cost). Run from the repo root:
 
-    python3 tests/benchmarks/speculative_step_gpu.py                          # s2_offload, s3_offload
-    python3 tests/benchmarks/speculative_step_gpu.py --rows s2_offload --clip 1.0
-    torchrun --nproc-per-node 4 tests/benchmarks/speculative_step_gpu.py     # per-GPU, 4 ranks
+    python3 -m tests.benchmarks.speculative_step_gpu                          # s2_offload, s3_offload
+    python3 -m tests.benchmarks.speculative_step_gpu --rows s2_offload --clip 1.0
+    torchrun --nproc-per-node 4 -m tests.benchmarks.speculative_step_gpu     # per-GPU, 4 ranks
 
 Under torchrun every rank runs the same variants in the same order (one process group for
 all of them); rank 0 prints. Without CUDA it runs on the CPU at ``--model char-tiny`` (a
@@ -27,14 +27,12 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from deepspeed_json_bench import CONFIGS, ROWS, build_engine  # noqa: E402
+from tests.benchmarks.deepspeed_json_bench import CONFIGS, ROWS, build_engine
 
 from zeroplug.workload.models import get_preset  # noqa: E402
 

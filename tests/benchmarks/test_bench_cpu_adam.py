@@ -15,8 +15,8 @@ import time
 
 import pytest
 import torch
-from bench_common import bench_size, record_ratio
-from cpu_adam_table import load_cpu_adam
+from tests.benchmarks.bench_common import bench_size, record_ratio
+from tests.benchmarks.cpu_adam_table import load_cpu_adam
 
 from zeroplug.benchmarking.measure import peak_host_bytes, reset_peak_host
 

@@ -19,8 +19,8 @@ import tempfile
 
 import pytest
 import torch
-from bench_common import bench_path, bench_size
-from swapper_vs_dd import MiB, run_dd, run_swapper
+from tests.benchmarks.bench_common import bench_path, bench_size
+from tests.benchmarks.swapper_vs_dd import MiB, run_dd, run_swapper
 
 from zeroplug.benchmarking.measure import peak_host_bytes, reset_peak_host
 

@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from bench_common import bench_path, bench_size
+from tests.benchmarks.bench_common import bench_path, bench_size
 
 from zeroplug.workload.models import GPT, GPTConfig, get_preset
 

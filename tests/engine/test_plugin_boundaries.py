@@ -1,0 +1,121 @@
+"""Plugin boundaries, checked on the source with ``ast``: the ZeRO stages reach an offload
+tier only through the contract (zeroplug.tiers) and the optimizer only through its
+declared per-sub-group step: they import no other plugin, read no tier option and name
+no tier; core never imports a plugin (test_hooks_contract.py)."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+from zeroplug.registry import get_plugin_manager
+
+ROOT = Path(__file__).resolve().parents[2]
+ZERO = sorted((ROOT / "plugins" / "zero").glob("*.py"))
+
+
+def _imports(tree) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            out.append(node.module or "")
+    return out
+
+
+def test_zero_imports_no_other_plugin():
+    bad = [f"{f.name}: {m}" for f in ZERO for m in _imports(ast.parse(f.read_text()))
+           if m.startswith("zeroplug.plugins") and not m.startswith("zeroplug.plugins.zero")]
+    assert len(ZERO) >= 5 and not bad, bad
+
+
+def test_zero_reads_no_tier_option_and_names_no_tier():
+    reg = get_plugin_manager().registry()
+    own = {f.name for f in dataclasses.fields(reg["zero"]["stage3"].impl.Options)}
+    options, names = set(), set()
+    for name, r in reg["offload"].items():
+        options |= {f.name for f in dataclasses.fields(r.impl.Options)} - own
+        names.add(name)
+    assert {"gpu_step_ratio", "overlap_step", "reuse_resident", "max_in_cpu", "grad_dtype"} <= options
+    found = []
+    for f in ZERO:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in options:
+                found.append(f"{f.name}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value in options or node.value in names - {"none", "cpu"}:   # "cpu": a device type too
+                    found.append(f"{f.name}:{node.lineno} {node.value!r}")
+        if "nvme" in f.read_text().lower():
+            found.append(f"{f.name}: mentions nvme")
+    assert not found, found
+
+
+def test_zero_uses_no_private_attribute_of_the_optimizer():
+    found = [f"{f.name}:{node.lineno} .{node.attr}" for f in ZERO for node in ast.walk(ast.parse(f.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in ("_find_group", "step_param", "grad_multiplier")]
+    assert not found, found
+
+
+#: lines of the engine's import closure: docs/architecture.md, "How big the engine is", says
+#: what is in it and why this is the budget
+ENGINE_CLOSURE_LINES = 8700      # + asynchronous checkpoints (docs/architecture.md, "Checkpoints")
+
+
+def _module_file(name: str):
+    """The file of ``zeroplug.<...>`` under core/ (None for plugins and other packages)."""
+    if name != "zeroplug" and not name.startswith("zeroplug.") or name.startswith("zeroplug.plugins"):
+        return None
+    base = ROOT.joinpath("core", *name.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imports_of(path: Path, name: str) -> set[str]:
+    """Every module ``path`` imports, at top level or inside a function, as absolute names
+    (``from x import y`` adds both ``x`` and ``x.y``: y may be a submodule)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
+    return found
+
+
+def engine_closure() -> dict[Path, int]:
+    """Lines of every core module the engine and the config loader import, eagerly or lazily."""
+    seen: dict[Path, int] = {}
+    todo = ["zeroplug.engine", "zeroplug.config"]
+    while todo:
+        name = todo.pop()
+        path = _module_file(name)
+        if path is None or path in seen:
+            continue
+        seen[path] = len(path.read_text().splitlines())
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]     # parents run on import
+        todo += _imports_of(path, name)
+    return seen
+
+
+def test_engine_import_closure_stays_within_its_budget():
+    closure = engine_closure()
+    total = sum(closure.values())
+    names = {str(p.relative_to(ROOT)) for p in closure}
+    assert "core/engine.py" in names and "core/checkpoint/__init__.py" in names     # the walk follows lazy imports
+    assert not any(n.startswith("plugins/") for n in names)
+    biggest = sorted(closure.items(), key=lambda kv: -kv[1])[:5]
+    assert total <= ENGINE_CLOSURE_LINES, (
+        f"the engine imports {total} lines (budget {ENGINE_CLOSURE_LINES}); largest: "
+        + ", ".join(f"{p.relative_to(ROOT)} {n}" for p, n in biggest)
+        + ": move a feature into a plugin, or raise the budget with its reason in docs/architecture.md")
