@@ -13,7 +13,7 @@ docs/benchmarks.md gives for each figure) in a fresh process; the versions alter
 (A B A B ...) so that a machine that drifts slows both alike. The table holds, per workload,
 the median over rounds of each run's median step time, and after / before.
 
-Workloads (``--only`` picks some): ``offload``: 1.3B, stage 3, optimizer and parameters
+Workloads (``--only`` picks some): ``stage3``: 1.3B, stage 3 on the GPU; ``offload``: 1.3B, stage 3, optimizer and parameters
 offloaded to the CPU with the tier's defaults; ``nvme``: 350M, stage 3, optimizer states on
 NVMe (parameters in CPU memory), at ``--nvme-path``. ``--out DIR`` keeps each run's JSON.
 """
@@ -36,6 +36,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 WORKLOADS = {
+    "stage3": ["--model", "1.3B", "--zero", "stage3", "--steps", "8"],
     "offload": ["--model", "1.3B", "--zero", "stage3", "--offload-optimizer", "cpu", "--offload-param", "cpu",
                 "--steps", "8"],
     "nvme": ["--model", "350M", "--zero", "stage3", "--offload-optimizer", "nvme", "--offload-param", "cpu",
