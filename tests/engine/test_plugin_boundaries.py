@@ -59,7 +59,7 @@ def test_zero_uses_no_private_attribute_of_the_optimizer():
 
 #: lines of the engine's import closure: docs/architecture.md, "How big the engine is", says
 #: what is in it and why this is the budget
-ENGINE_CLOSURE_LINES = 8700      # + asynchronous checkpoints (docs/architecture.md, "Checkpoints")
+ENGINE_CLOSURE_LINES = 8700
 
 
 def _module_file(name: str):
@@ -119,3 +119,51 @@ def test_engine_import_closure_stays_within_its_budget():
         f"the engine imports {total} lines (budget {ENGINE_CLOSURE_LINES}); largest: "
         + ", ".join(f"{p.relative_to(ROOT)} {n}" for p, n in biggest)
         + ": move a feature into a plugin, or raise the budget with its reason in docs/architecture.md")
+
+
+def _layout_tree() -> dict[str, set[str]]:
+    """docs/architecture.md's Layout block: top-level folder -> the folders listed under it."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    tree: dict[str, set[str]] = {}
+    top = None
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0] if line.strip() else ""
+        if not name.endswith("/"):
+            continue
+        if not line.startswith(" "):
+            top = name.rstrip("/")
+            tree[top] = set()
+        elif top is not None:
+            tree[top].add(name.rstrip("/"))
+    return tree
+
+
+def test_architecture_layout_matches_the_tree():
+    tree = _layout_tree()
+    for top in ("core", "plugins", "tests"):
+        on_disk = {p.name for p in (ROOT / top).iterdir()
+                   if p.is_dir() and not p.name.startswith((".", "__")) and p.name != "data"
+                   and any(p.rglob("*.py"))}
+        assert tree.get(top) == on_disk, (
+            f"docs/architecture.md's Layout lists {sorted(tree.get(top, ()))} under {top}/, "
+            f"the tree has {sorted(on_disk)}")
+    assert {"core", "plugins", "tests", "examples", "docs"} <= set(tree)
+
+
+def test_only_core_and_plugins_are_remapped():
+    import sys
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setup["package-dir"] == {"zeroplug": "core", "zeroplug.plugins": "plugins"}
+    listed = set(setup["packages"])
+    found = set()
+    for root, prefix in (("core", "zeroplug"), ("plugins", "zeroplug.plugins")):
+        for init in (ROOT / root).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / root).parts
+            found.add(".".join((prefix, *rel)))
+    assert listed == found, f"pyproject's packages differ from the tree: missing {sorted(found - listed)}, " \
+                            f"extra {sorted(listed - found)}"
