@@ -28,6 +28,7 @@ from zeroplug.launch import start_process_group
 from zeroplug.observe.metrics import StepMetrics, sequence_length
 from .registry import get_plugin_manager
 from .slots import RunContext, takes_grad_scale
+from .tiers import fp32_multiplier
 
 log = logging.getLogger("zeroplug")
 
@@ -216,18 +217,14 @@ class Engine:
             if clip > 0 and norm > clip:
                 factor *= clip / (norm + 1e-6)
             self._set_lr(lr)
+            multiplier = 1.0
             if factor != 1.0 and takes_grad_scale(self.optimizer):
-                # Note: torch's fused Adam/AdamW/SGD (and cpu_adam) divide each gradient by
-                # grad_scale inside their one pass; that saves a read and a write of every
-                # gradient (on an offloaded 1.3B model, ~11 GB of host memory traffic a step).
-                self.optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32,
-                                                         device=self.offload_optimizer.device)
+                # Note: torch's fused Adam/AdamW/SGD (and cpu_adam) multiply each gradient
+                # inside their one pass; that saves a read and a write of every gradient.
+                multiplier = fp32_multiplier(factor)
             elif factor != 1.0:
                 torch._foreach_mul_(list(part.iter_grads()), factor)
-            try:
-                part.step_optimizer(self.optimizer)
-            finally:
-                self.optimizer.grad_scale = None
+            part.step_optimizer(self.optimizer, multiplier)
             self.lr_step += 1
         part.zero_grad()
         self.global_step += 1

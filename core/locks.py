@@ -84,6 +84,17 @@ class FileLock:
             if dir_fd is not None:
                 os.close(dir_fd)
 
+    def close_in_child(self) -> None:
+        """In a forked child: close this process's copies of the descriptors, keeping the lock
+        (it belongs to the parent) and its file."""
+        fds, self._fd, self._dir_fd = (self._fd, self._dir_fd), None, None
+        for fd in fds:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
     def __repr__(self) -> str:
         return f"FileLock({self.path!r}, {'held' if self.held else 'released'})"
 
@@ -93,13 +104,7 @@ _HELD: "weakref.WeakSet[FileLock]" = weakref.WeakSet()
 
 def _close_in_child() -> None:
     for lock in list(_HELD):
-        fds = (lock._fd, lock._dir_fd)
-        lock._fd = lock._dir_fd = None
-        for fd in fds:
-            try:
-                os.close(fd)
-            except (OSError, TypeError):
-                pass
+        lock.close_in_child()
     _HELD.clear()
 
 

@@ -38,15 +38,16 @@ def opt(default: Any, help: str, *, min: float | None = None, max: float | None 
     return dataclasses.field(default=default, metadata=meta)
 
 
-def _describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
+    """How an error message and the configuration reference name the type ``tp``."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " or ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(describe_type(a) for a in typing.get_args(tp))
     if origin is tuple:
         args = typing.get_args(tp)
-        inner = _describe(args[0]) if args else "value"
+        inner = describe_type(args[0]) if args else "value"
         for article in ("a ", "an "):     # "a number" -> "numbers"
             if inner.startswith(article):
                 inner = inner[len(article):]
@@ -59,57 +60,59 @@ def _describe(tp: Any) -> str:
         tp, getattr(tp, "__name__", str(tp)))
 
 
-class _Mismatch(Exception):
-    pass
+class TypeMismatch(Exception):
+    """A value does not fit the option's type (raised by :func:`coerce`)."""
 
 
-def _coerce(value: Any, tp: Any) -> Any:
+def coerce(value: Any, tp: Any) -> Any:
+    """``value`` as the option type ``tp`` takes it (an int option's 5e8 is 500000000);
+    raises TypeMismatch when it does not fit."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool) or (
                 isinstance(value, bool) and any(a is value for a in typing.get_args(tp))):
             return value
-        raise _Mismatch
+        raise TypeMismatch
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
-                return _coerce(value, arg)
-            except _Mismatch:
+                return coerce(value, arg)
+            except TypeMismatch:
                 continue
-        raise _Mismatch
+        raise TypeMismatch
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise _Mismatch
+            raise TypeMismatch
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0]) for v in value)
+            return tuple(coerce(v, args[0]) for v in value)
         if len(value) != len(args):
-            raise _Mismatch
-        return tuple(_coerce(v, a) for v, a in zip(value, args))
+            raise TypeMismatch
+        return tuple(coerce(v, a) for v, a in zip(value, args))
     if tp is type(None):
         if value is None:
             return None
-        raise _Mismatch
+        raise TypeMismatch
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise _Mismatch
+        raise TypeMismatch
     if tp is int:
         if isinstance(value, bool):
-            raise _Mismatch
+            raise TypeMismatch
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise _Mismatch
+        raise TypeMismatch
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _Mismatch
+            raise TypeMismatch
         return float(value)
     if tp is str:
         if isinstance(value, str):
             return value
-        raise _Mismatch
+        raise TypeMismatch
     raise TypeError(f"unsupported option type {tp!r}")
 
 
@@ -163,18 +166,18 @@ def build_options(cls: type, table: dict, path: str) -> Any:
         f, tp = known[name]
         full = f"{path}.{key}"
         try:
-            v = _coerce(value, tp)
-        except _Mismatch:
-            raise ConfigError(f"{full} = {value!r} has the wrong type: expected {_describe(tp)}",
+            v = coerce(value, tp)
+        except TypeMismatch:
+            raise ConfigError(f"{full} = {value!r} has the wrong type: expected {describe_type(tp)}",
                               key=full) from None
         _check_range(v, value, f.metadata, full)
         values[name] = v
     for name, (f, tp) in known.items():     # defaults too: `opt(5e8, ...)` on an int option
         if name not in values and f.default is not dataclasses.MISSING:
             try:
-                values[name] = _coerce(f.default, tp)
-            except _Mismatch:
-                raise TypeError(f"{cls.__name__}.{name}: default {f.default!r} is not {_describe(tp)}") from None
+                values[name] = coerce(f.default, tp)
+            except TypeMismatch:
+                raise TypeError(f"{cls.__name__}.{name}: default {f.default!r} is not {describe_type(tp)}") from None
     try:
         obj = cls(**values)
     except (TypeError, ValueError) as exc:

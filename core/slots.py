@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, ContextManager, Iterable
 
 import torch
 
 from .comm import Comm
 from .hookspecs import hookimpl
 # the offload tier's slot: the stage <-> tier contract (documented there)
-from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, TierCapabilities,  # noqa: F401
-                    UnitShard, step_group)
+from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, SubGroupOptimizer,  # noqa: F401
+                    TierCapabilities, UnitShard, step_group)
 
 
 def takes_grad_scale(optimizer) -> bool:
-    """Whether ``optimizer`` divides each gradient by its ``grad_scale`` attribute inside its
-    own pass (torch's fused kernels, cpu_adam): the engine then hands it the unscale x clip
-    factor instead of multiplying every gradient before the step."""
-    return bool(getattr(optimizer, "defaults", {}).get("fused") or getattr(optimizer, "takes_grad_scale", False))
+    """Whether ``optimizer`` applies the step's gradient multiplier inside its own pass:
+    torch's fused kernels (they divide by their ``grad_scale``, which
+    :func:`zeroplug.tiers.step_all` sets for them) and every :class:`SubGroupOptimizer`
+    (cpu_adam). The engine then passes the unscale x clip factor to the step instead of
+    multiplying every gradient before it."""
+    return bool(getattr(optimizer, "defaults", {}).get("fused")) or isinstance(optimizer, SubGroupOptimizer)
 
 
 @dataclass
@@ -213,14 +215,26 @@ class Partitioner:
         ... forward / backward (the partitioner's hooks do the reductions) ...
         finish_gradients()          # wait for reductions; master .grad ready
         grad_norm_sq()              # global squared norm of the master grads
-        [engine sets the unscale x clip factor]
-        step_optimizer(optimizer)   # step masters, publish model parameters (+ all-gather);
-                                    # may return with the step still running (see wait_optimizer)
+        step_optimizer(optimizer, grad_multiplier)   # step masters, publish model parameters
+                                    # (+ all-gather); may return with the step still running
+                                    # (see wait_optimizer)
         zero_grad()
+
+    Every method and attribute the engine, the checkpoint code and the integrations use is
+    declared here; those with nothing to do in a simple stage have that default, so callers
+    call them directly.
     """
     @dataclass(frozen=True)
     class Options:
         pass
+
+    #: the ZeRO stage it implements (what DeepSpeed's ``zero_optimization_stage()`` answers)
+    stage: int = 0
+    #: each rank holds only its shard of the masters and optimizer states (False: every rank
+    #: holds them whole, and rank 0 alone writes them into a checkpoint)
+    shard_optimizer: bool = False
+    #: each rank holds only its shard of the model's parameters (stage 3)
+    shard_params: bool = False
 
     def __init__(self, options, run: RunContext):
         self.options, self.run = options, run
@@ -232,6 +246,12 @@ class Partitioner:
         asks the tiers for the host memory they need for them (:mod:`zeroplug.host_budget`).
         The default: every trainable element on every rank (no sharding), no parameter shards."""
         return {"optimizer": sum(p.numel() for p in module.parameters() if p.requires_grad), "param": 0}
+
+    @classmethod
+    def construction_context(cls, options, run: RunContext, precision: Precision) -> ContextManager:
+        """What ``zeroplug.init`` enters while the model is built (stage 3 shards each
+        module's parameters as its constructor returns). Default: nothing."""
+        return contextlib.nullcontext()
 
     def setup(self, module: torch.nn.Module, precision: Precision,
               offload_optimizer: OffloadTier, offload_param: OffloadTier, groups=None) -> None:
@@ -265,7 +285,12 @@ class Partitioner:
         """The optimizer over :meth:`optimizer_params` exists (once, inside ``initialize``):
         whatever the first step would otherwise allocate can be allocated now."""
 
-    def step_optimizer(self, optimizer) -> None:
+    def step_optimizer(self, optimizer, grad_multiplier: float = 1.0) -> None:
+        """Step the masters, their gradients multiplied by ``grad_multiplier`` inside the
+        optimizer's pass (the engine's unscale x clip factor when the optimizer
+        ``takes_grad_scale``; else 1, the engine having multiplied the gradients), through
+        :func:`zeroplug.tiers.step_all` / :func:`~zeroplug.tiers.step_group` or the tier's
+        ``step(optimizer, grad_multiplier)``; then publish the model parameters."""
         raise NotImplementedError
 
     def zero_grad(self) -> None:
@@ -291,6 +316,44 @@ class Partitioner:
         """Tensors this rank holds, by kind: ``lp_params``, ``lp_grads``, ``hp_params``,
         ``hp_grads`` (for memory accounting and offload_states)."""
         return {}
+
+    def writes_states(self) -> bool:
+        """Whether this rank writes its masters and optimizer states into a checkpoint: one
+        copy of each shard is written (ranks that hold the same shard as a lower rank write
+        none). Default: every rank."""
+        return True
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors behind each memory category of ``engine.memory_report()``
+        (``lp_params``, ``master``, ``gradients``, ``buckets``, ``prefetch``); sizes only, so
+        no wait for a step in flight. Default: none (the report counts the optimizer's states)."""
+        return {}
+
+    def gathered_params(self, params=None, modifier_rank: int | None = None,
+                        check_writes: bool = False) -> ContextManager:
+        """Context in which every parameter (or each of ``params``) holds its whole value
+        (``engine.gathered_parameters``; every rank enters it). On exit, with
+        ``modifier_rank``, that rank's values become every rank's (shards and masters);
+        without it and with ``check_writes``, a write inside raises StateError on every rank."""
+        raise NotImplementedError
+
+    def checkpoint_state(self, optimizer=None, parts=None) -> dict:
+        """This rank's part of a checkpoint (world-size independent; see
+        :mod:`zeroplug.checkpoint`): tensors and plain values. ``parts``: the
+        :class:`zeroplug.checkpoint.PartWriter` that large pieces may be streamed through.
+        Default: checkpoints are not supported (a CheckpointError that says so)."""
+        from .checkpoint.files import CheckpointError
+        raise CheckpointError(f"the ZeRO plugin {type(self).__name__} does not support checkpoints "
+                              "(it does not implement checkpoint_state)")
+
+    def load_checkpoint_state(self, states, optimizer=None, *, load_master: bool = True,
+                              load_optimizer_states: bool = True) -> None:
+        """Load this rank's states from ``states`` (a :class:`zeroplug.checkpoint.ShardSet` or
+        a DeepSpeed checkpoint presented the same way): check every file against the layout,
+        then ``states.commit()`` (every rank agrees), then copy. Default: not supported."""
+        from .checkpoint.files import CheckpointError
+        raise CheckpointError(f"the ZeRO plugin {type(self).__name__} does not support checkpoints "
+                              "(it does not implement load_checkpoint_state)")
 
     def iter_grads(self) -> Iterable[torch.Tensor]:
         return (p.grad for p in self.master_params() if p.grad is not None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Protocol, runtime_checkable
 
 import torch
 
@@ -96,38 +96,79 @@ class HostBytes:
         return self.pinned + self.pageable
 
 
-def grad_multiplier(optimizer) -> float:
-    """What this step multiplies gradients by: 1 / the engine's ``optimizer.grad_scale``."""
-    scale = getattr(optimizer, "grad_scale", None)
-    return 1.0 if scale is None else 1.0 / float(scale)
+@runtime_checkable
+class SubGroupOptimizer(Protocol):
+    """An optimizer that steps one param group (an offloaded sub-group) in one pass and may
+    allocate a group's states ahead of its first step (cpu_adam is one).
+
+    A stage or tier never calls these directly: :func:`step_group` and
+    :func:`init_group_states` call them on such an optimizer and do the plain-torch thing on
+    any other ``torch.optim.Optimizer``."""
+
+    def step_group(self, k: int, lp_out=None, grad_multiplier: float = 1.0, threads: int | None = None) -> None:
+        """Step param group ``k`` alone: gradients multiplied by ``grad_multiplier`` inside
+        the pass (the call may run on a worker thread after ``engine.step()`` returned), the
+        updated values rounded into ``lp_out`` (a tensor, or a list of tensors holding the
+        group's elements in order) when given, with ``threads`` threads (None: its own)."""
+
+    def init_group_states(self, k: int) -> None:
+        """Allocate param group ``k``'s states now (else its first step does)."""
+
+
+def fp32_multiplier(factor: float) -> float:
+    """The gradient multiplier of a step whose unscale x clip factor is ``factor``: the
+    multiplier an fp32 ``grad_scale`` of ``1 / factor`` stands for in torch's fused
+    kernels, so that an optimizer handed the multiplier and one handed that ``grad_scale``
+    compute the same values."""
+    return 1.0 if factor == 1.0 else 1.0 / float(torch.tensor(1.0 / factor, dtype=torch.float32))
 
 
 def init_group_states(optimizer, k: int) -> None:
-    """Allocate the states of optimizer param group ``k`` now, if the optimizer declares
-    ``init_group_states(k)`` (cpu_adam does; others create theirs in their first step)."""
-    fn = getattr(optimizer, "init_group_states", None)
-    if fn is not None:
-        fn(k)
+    """Allocate the states of optimizer param group ``k`` now on a
+    :class:`SubGroupOptimizer` (others create theirs in their first step)."""
+    if isinstance(optimizer, SubGroupOptimizer):
+        optimizer.init_group_states(k)
+
+
+def _torch_step(optimizer, grad_multiplier: float) -> None:
+    """``optimizer.step()``, gradients multiplied by ``grad_multiplier``: a multiplier other
+    than 1 reaches only optimizers that apply it in their own pass (``takes_grad_scale``),
+    torch's fused ones through their own ``grad_scale`` attribute, set around the call."""
+    if grad_multiplier == 1.0:
+        optimizer.step()
+        return
+    device = next(p.device for g in optimizer.param_groups for p in g["params"])
+    optimizer.grad_scale = torch.tensor(1.0 / grad_multiplier, dtype=torch.float32, device=device)
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = None
+
+
+def step_all(optimizer, grad_multiplier: float = 1.0) -> None:
+    """Step every param group of ``optimizer`` (those of its parameters that have a
+    gradient), gradients multiplied by ``grad_multiplier`` inside the optimizer's pass."""
+    if isinstance(optimizer, SubGroupOptimizer):
+        for k in range(len(optimizer.param_groups)):
+            optimizer.step_group(k, grad_multiplier=grad_multiplier)
+        return
+    _torch_step(optimizer, grad_multiplier)
 
 
 def step_group(optimizer, k: int, lp_out=None, grad_multiplier: float = 1.0, threads=None) -> bool:
-    """Step optimizer param group ``k`` (sub-group k) alone; True if ``lp_out`` was written.
+    """Step optimizer param group ``k`` (sub-group k) alone, gradients multiplied by
+    ``grad_multiplier``; True if ``lp_out`` was written.
 
-    An optimizer may declare ``step_group(k, lp_out=None, grad_multiplier=1.0, threads=None)``
-    (cpu_adam does): it then steps group k in one pass, multiplies the gradients by
-    ``grad_multiplier`` (captured when the step began: the call may run on a worker thread
-    after ``engine.step()`` returned) and writes the updated values rounded into ``lp_out``
-    (a tensor or a list of tensors holding the group's elements in order) when given. Any
-    other ``torch.optim.Optimizer`` steps with its param groups narrowed to group k, reading
-    its ``grad_scale`` attribute as torch's fused optimizers do."""
-    fn = getattr(optimizer, "step_group", None)
-    if fn is not None:
-        fn(k, lp_out=lp_out, grad_multiplier=grad_multiplier, threads=threads)
+    A :class:`SubGroupOptimizer` steps group k in one pass and writes ``lp_out``. Any other
+    ``torch.optim.Optimizer`` steps with its param groups narrowed to group k (``lp_out``
+    and ``threads`` unused)."""
+    if isinstance(optimizer, SubGroupOptimizer):
+        optimizer.step_group(k, lp_out=lp_out, grad_multiplier=grad_multiplier, threads=threads)
         return lp_out is not None
     groups = optimizer.param_groups
     optimizer.param_groups = [groups[k]]
     try:
-        optimizer.step()
+        _torch_step(optimizer, grad_multiplier)
     finally:
         optimizer.param_groups = groups
     return False
@@ -171,6 +212,13 @@ class OffloadTier:
             raise ConfigError(f"{choice.path}.plugin = \"{choice.name}\" holds only "
                               f"{' and '.join(cls.kinds)} states; choose another tier for [{choice.path}]",
                               key=f"{choice.path}.plugin")
+
+    @classmethod
+    def cpu_workers(cls, options, run, kind: str) -> dict[str, int]:
+        """Threads of its own that run beside the optimizer's step and each want a core, by
+        kind (``{"copy": 2}``; threads that mostly wait for the disk or the device are not
+        counted): cpu_adam's CPU plan leaves them cores. Default: none."""
+        return {}
 
     @property
     def device(self) -> torch.device:
@@ -245,19 +293,20 @@ class OffloadTier:
     def grads_landed(self) -> None:
         """Return once every gradient handed to grad_ready is in place (before the norm)."""
 
-    def step(self, optimizer) -> None:
-        """Step every sub-group (the engine has set the lr and ``optimizer.grad_scale``) and
-        publish the new values into the units' shards. The default is serial::
+    def step(self, optimizer, grad_multiplier: float = 1.0) -> None:
+        """Step every sub-group (the engine has set the lr), gradients multiplied by
+        ``grad_multiplier`` (the engine's unscale x clip factor, or 1 when the engine
+        multiplied them already), and publish the new values into the units' shards. The
+        default is serial::
 
-            for k: acquire(k); step_group(optimizer, k); publish(k); release(k)
+            for k: acquire(k); step_group(optimizer, k, grad_multiplier=...); publish(k); release(k)
 
         A tier may order, overlap or pipeline this as it likes; with
         ``layout.gathers_per_unit`` it may return before every sub-group is done, as long as
         wait(k), ready(k) and wait_all() tell the truth."""
-        mult = grad_multiplier(optimizer)
         for k in range(len(self.masters)):
             self.acquire(k, optimizer)
-            step_group(optimizer, k, grad_multiplier=mult)
+            step_group(optimizer, k, grad_multiplier=grad_multiplier)
             self.publish(k, optimizer)
             self.release(k, optimizer, changed=True)
 

@@ -61,7 +61,7 @@ class ZeroplugStep:
         ``config``: what ``zeroplug.initialize`` takes (dict, TOML path, Config), or "torch"
         for plain PyTorch; ``steps`` timed rounds after ``warmup`` ones; ``baseline="torch"``
         adds the ratio to plain PyTorch measured in this run."""
-        from .measure import StepRun, _tokens, default_device, make_runner, read_peaks, release, run_steps, start_peaks
+        from .measure import StepRun, batch_tokens, default_device, make_runner, read_peaks, release, run_steps, start_peaks
         import torch
 
         bench = self.benchmark
@@ -86,7 +86,7 @@ class ZeroplugStep:
 
         try:
             bench.pedantic(step, setup=setup, rounds=steps, warmup_rounds=warmup, iterations=1)
-            result.tokens_per_step = sum(_tokens(b) for b in seen[0])
+            result.tokens_per_step = sum(batch_tokens(b) for b in seen[0])
             result.phases = runner.phases()
             read_peaks(result, dev)
         finally:

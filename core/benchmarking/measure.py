@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import gc
 import inspect
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger("zeroplug")
 
 GiB = 1024 ** 3
 
@@ -98,7 +101,7 @@ def _call_batch(make_batch: Callable, device: torch.device):
     return make_batch(device) if takes_device else make_batch()
 
 
-def _loss_of(out) -> torch.Tensor:
+def loss_of(out) -> torch.Tensor:
     """A model's output as its loss: a tensor, or an object / dict with ``loss`` (Hugging Face)."""
     if torch.is_tensor(out):
         return out
@@ -109,13 +112,14 @@ def _loss_of(out) -> torch.Tensor:
     return loss
 
 
-def _tokens(batch) -> int:
+def batch_tokens(batch) -> int:
     """Tokens in one micro-batch: the elements of its first tensor (input ids, batch x seq)."""
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
     return int(first.numel()) if first.dim() >= 2 else int(first.shape[0])
 
 
-def _forward(model, batch):
+def forward_batch(model, batch):
+    """``model`` called on one micro-batch: a dict as keyword arguments, else positionally."""
     return model(**batch) if isinstance(batch, dict) else model(*batch)
 
 
@@ -149,7 +153,7 @@ class EngineRunner:
         """Forward, backward and optimizer step over ``batches``; returns the mean loss."""
         losses = []
         for b in batches:
-            loss = _loss_of(_forward(self.engine, b))
+            loss = loss_of(forward_batch(self.engine, b))
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach())
@@ -187,7 +191,7 @@ class TorchRunner:
     def step(self, batches) -> float:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast and self.device.type == "cuda")
         with autocast:
-            loss = _loss_of(_forward(self.model, batches[0]))
+            loss = loss_of(forward_batch(self.model, batches[0]))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
@@ -294,7 +298,7 @@ class DeepSpeedRunner(TorchRunner):
         self.engine, _ = deepspeed_engine(build_model, cfg, self.device)
 
     def step(self, batches) -> float:
-        loss = _loss_of(_forward(self.engine, batches[0]))
+        loss = loss_of(forward_batch(self.engine, batches[0]))
         self.engine.backward(loss)
         self.engine.step()
         sync(self.device)
@@ -362,7 +366,7 @@ def run_steps(build_model, make_batch, config, steps: int = 5, warmup: int = 2, 
             run.losses.append(loss)
             if i >= warmup:
                 run.step_times.append(dt)
-        run.tokens_per_step = sum(_tokens(b) for b in batches)
+        run.tokens_per_step = sum(batch_tokens(b) for b in batches)
         run.phases = runner.phases()
         read_peaks(run, device)
     except Exception as exc:  # noqa: BLE001 - reported as the candidate's rejection
@@ -374,8 +378,8 @@ def run_steps(build_model, make_batch, config, steps: int = 5, warmup: int = 2, 
         if runner is not None:
             try:
                 runner.close()
-            except Exception:  # noqa: BLE001 - a failed build may leave a half-made engine
-                pass
+            except Exception as exc:  # noqa: BLE001 - a failed build may leave a half-made engine
+                log.debug("closing the runner after the measurement failed: %r", exc)
         del runner
         release(device)
     return run

@@ -43,7 +43,6 @@ whatever the world size that wrote them.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import logging
 import secrets
 import shutil
@@ -55,7 +54,7 @@ import torch
 from . import directory as checkpoint_dir
 from zeroplug.errors import StepFailedError
 from .files import (
-    FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, _install, agree, atomic_write_text,
+    FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, agree, install, atomic_write_text,
     fsync_dir, newest_verified, open_checkpoint, prune, rank_file_name, read_latest, read_manifest, resolve, verify,
     write_manifest, write_torch_file,
 )
@@ -76,14 +75,6 @@ def active_part_writer() -> PartWriter | None:
     partitioner reached through a subclass's ``checkpoint_state`` that does not pass
     ``parts`` on."""
     return _ACTIVE_PARTS.get()
-
-
-def _accepts(fn, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 # --- client state --------------------------------------------------------------------
@@ -118,14 +109,6 @@ def _check_tag(tag: str) -> None:
                               f"not {LATEST!r})")
 
 
-def _partitioner_call(engine, name):
-    fn = getattr(engine.partitioner, name, None)
-    if fn is None:
-        raise CheckpointError(f"the ZeRO plugin {type(engine.partitioner).__name__} does not support "
-                              f"checkpoints (it has no {name}() method)")
-    return fn
-
-
 def _rank_state(engine, client_state, parts: PartWriter) -> dict:
     _check_plain(client_state, "client_state")
     extras = {}
@@ -134,10 +117,9 @@ def _rank_state(engine, client_state, parts: PartWriter) -> dict:
             extras.update(d)
     _check_plain(extras, "zeroplug_checkpoint_state_save")
     run = engine.run
-    export = _partitioner_call(engine, "checkpoint_state")
     token = _ACTIVE_PARTS.set(parts)
     try:
-        model = export(engine.optimizer, parts=parts) if _accepts(export, "parts") else export(engine.optimizer)
+        model = engine.partitioner.checkpoint_state(engine.optimizer, parts=parts)
     finally:
         _ACTIVE_PARTS.reset(token)
     return {
@@ -162,7 +144,7 @@ def _estimate_bytes(engine) -> int:
         part = engine.partitioner
         # Note: one copy of each shard is written: stage 0's (replicated) by rank 0, a grouped
         # run's (zero.shard_group_size) by the ranks whose rank in their shard group is their own
-        if getattr(part, "layout_rank", engine.run.rank) != engine.run.rank:
+        if not part.writes_states():
             return 0
         psize = torch.empty((), dtype=engine.precision.param_dtype).element_size()
         # Note: an fp32 model whose masters stay on the training device trains the masters
@@ -333,7 +315,7 @@ class _Job:
         }
         write_manifest(tmp, manifest)
         fsync_dir(tmp)
-        _install(tmp, save_dir / tag)
+        install(tmp, save_dir / tag)
         if self.save_latest:
             atomic_write_text(save_dir / LATEST, tag)
         removed = prune(save_dir, self.keep_last, keep={tag}, stale_tmp=self.plan["locked"])
@@ -380,7 +362,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         try:
             # Note: the partitioner checks every file against its layout, then calls
             # shards.commit() (every rank agrees) and only then copies.
-            _partitioner_call(engine, "load_checkpoint_state")(
+            engine.partitioner.load_checkpoint_state(
                 shards, optimizer=engine.optimizer, load_master=not load_module_only,
                 load_optimizer_states=load_optimizer_states and not load_module_only)
         except CheckpointError as exc:
@@ -521,8 +503,8 @@ def _reset_after_failure(engine) -> None:
     flight finish (its errors are known already) and drop its gradients."""
     try:
         engine.partitioner.wait_optimizer()
-    except Exception:               # noqa: BLE001 - the failure the load repairs
-        pass
+    except Exception as exc:        # noqa: BLE001 - the failure the load repairs
+        log.debug("[zeroplug] load_checkpoint: the failed step's work in flight ended with %r", exc)
     engine.partitioner.zero_grad()
 
 

@@ -199,7 +199,7 @@ def write_manifest(directory: Path, manifest: dict) -> None:
 
 # --- directories ---------------------------------------------------------------------
 
-def _install(tmp: Path, final: Path) -> None:
+def install(tmp: Path, final: Path) -> None:
     """Rename the finished temporary directory to its tag (an existing tag is replaced)."""
     old = None
     if final.exists():

@@ -9,12 +9,15 @@ file and the field. Whether the checkpoint fits a given engine is the loader's c
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 
 import torch
 
 from .files import FORMAT, VERSION, CheckpointError, plain_name
+
+log = logging.getLogger("zeroplug")
 
 MAX_WORLD = 1 << 20
 MAX_COUNT = 1 << 62
@@ -36,7 +39,8 @@ def show(v) -> str:
         return f"a {str(v.dtype).replace('torch.', '')} tensor of shape {tuple(v.shape)}"
     try:
         r = repr(v)
-    except Exception:       # noqa: BLE001 - a value whose repr fails is still named
+    except Exception as exc:    # noqa: BLE001 - a value whose repr fails is still named
+        log.debug("repr of a %s failed: %r", type(v).__name__, exc)
         r = f"a {type(v).__name__}"
     r = r.encode("ascii", "backslashreplace").decode()
     return r if len(r) <= 60 else r[:57] + "..."

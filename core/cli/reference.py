@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zeroplug.options import _coerce, _describe, _Mismatch, fields_of
+from zeroplug.options import TypeMismatch, coerce, describe_type, fields_of
 
 
 def option_docs(cls: type) -> list[tuple[str, str, str, str]]:
@@ -13,8 +13,8 @@ def option_docs(cls: type) -> list[tuple[str, str, str, str]]:
     for name, (f, tp) in fields_of(cls).items():
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
         try:
-            default = _coerce(default, tp)          # 5e8 on an int option shows as 500000000
-        except (_Mismatch, TypeError):
+            default = coerce(default, tp)          # 5e8 on an int option shows as 500000000
+        except (TypeMismatch, TypeError):
             pass
         extra = []
         if f.metadata.get("min") is not None:
@@ -30,5 +30,5 @@ def option_docs(cls: type) -> list[tuple[str, str, str, str]]:
         help_ = f.metadata.get("help", "")
         if extra:
             help_ = f"{help_} ({'; '.join(extra)})"
-        rows.append((name, _describe(tp), repr(default), help_))
+        rows.append((name, describe_type(tp), repr(default), help_))
     return rows

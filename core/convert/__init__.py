@@ -115,7 +115,8 @@ def _set(raw: dict, path: str, value) -> None:
     node[parts[-1]] = value
 
 
-def _get(raw: dict, path: str, default=None):
+def get_path(raw: dict, path: str, default=None):
+    """``raw``'s value at the dotted ``path`` ("zero.stage"), or ``default`` where it has none."""
     node = raw
     for p in path.split("."):
         if not isinstance(node, dict) or p not in node:
@@ -409,7 +410,7 @@ class _Translator:
             self.reduce_dtype(self.value("communication_data_type", ds["communication_data_type"]))
 
     def reduce_dtype(self, value) -> None:
-        plugin = _get(self.raw, "precision.plugin")
+        plugin = get_path(self.raw, "precision.plugin")
         dtype = str(value).lower()
         offered = {"fp16": ("fp32", "fp16"), "bf16": ("fp32", "bf16"), "fp32": ("fp32",)}.get(plugin, ())
         if dtype in offered and plugin != "fp32":
@@ -489,7 +490,7 @@ def fill_from_model(raw: DeepSpeedRaw, model) -> None:
     if h is None:
         return
     for target in raw.translation.hidden:
-        if _get(raw, target) == "auto":
+        if get_path(raw, target) == "auto":
             _set(raw, target, _HIDDEN_FORMULAS[target](h))
 
 

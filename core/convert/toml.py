@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from zeroplug.errors import ConfigError
 
-from . import _get, from_deepspeed
+from . import from_deepspeed, get_path
 
 
 def _toml_value(v) -> str:
@@ -44,7 +44,7 @@ def convert_text(ds: dict) -> str:
     t = raw.translation
     head = [f"# note: {n}" for n in t.notes]
     for ds_key, target, source in t.autos:
-        value = _get(raw, target)
+        value = get_path(raw, target)
         if value is None:
             head.append(f"# auto: {ds_key} -> {target} left out: {source}")
         elif value == "auto":

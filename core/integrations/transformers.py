@@ -300,7 +300,7 @@ class ZeroplugTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         zero = engine.config.slot("zero").options
         if getattr(zero, "stage3_gather_16bit_weights_on_model_save", True) is False \
-                and getattr(engine.partitioner, "shard_params", False):
+                and engine.partitioner.shard_params:
             if _internal_call:
                 return
             raise ConfigError("save_model: zero.stage3_gather_16bit_weights_on_model_save = false, so the "

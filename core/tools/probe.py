@@ -181,7 +181,7 @@ class Activations:
 def _probe_once(spec: ModelSpec, layers: int | None, batch: Callable, device: torch.device,
                 dtype: torch.dtype) -> tuple[float, float]:
     """(activation bytes, of which the checkpointed blocks' inputs) of one step."""
-    from zeroplug.benchmarking.measure import _forward, _loss_of, release
+    from zeroplug.benchmarking.measure import forward_batch, loss_of, release
     torch.manual_seed(0)
     with torch.device(device):
         model = spec.build(layers).to(dtype)
@@ -208,7 +208,7 @@ def _probe_once(spec: ModelSpec, layers: int | None, batch: Callable, device: to
         base = torch.cuda.memory_allocated(device)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss_of(_forward(model, inputs))
+        loss = loss_of(forward_batch(model, inputs))
     loss.float().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -215,8 +215,7 @@ def cmd_train(args, overrides) -> int:
 
     def log_eval(step: int, loss: float) -> None:     # held-out loss for monitors (csv, tensorboard)
         for m in engine.monitors:
-            if hasattr(m, "write_eval"):
-                m.write_eval({"step": step, "eval_loss": loss})
+            m.write_eval({"step": step, "eval_loss": loss})
 
     start_eval = eval_loss()
     log_eval(start, start_eval)

@@ -16,7 +16,7 @@ def memory_report(engine) -> dict:
     holds it. On CUDA, ``rest`` is what the allocator holds beyond them (activations,
     workspaces, caches of the model's own)."""
     part = engine.partitioner
-    cats = dict(part.memory_tensors()) if hasattr(part, "memory_tensors") else {}
+    cats = dict(part.memory_tensors())
     cats["optimizer"] = [v for st in engine.optimizer.state.values() for v in st.values()
                          if torch.is_tensor(v) and v.dim() > 0]
     dev = engine.run.device

@@ -334,8 +334,8 @@ class CPUOffload(HostTier):
 
 
 def _resident_lane(engine):
-    tier = getattr(engine, "offload_optimizer", None)
-    lane = getattr(tier, "lane", None) if isinstance(tier, CPUOffload) else None
+    tier = engine.offload_optimizer
+    lane = tier.lane if isinstance(tier, CPUOffload) else None
     return lane if lane is not None and lane.resident else None
 
 

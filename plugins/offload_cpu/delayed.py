@@ -94,14 +94,6 @@ class DelayedUpdate:
             tier.lane.enqueue(groups[k], optimizer.state, k, masters[k], ranges[k][0], mult, lp_host=lp_next)
         cpu_groups = [k for k in range(len(ranges)) if k not in lane]
         threads = tier.overlap_threads()
-        if not fused:
-            # Note: an optimizer without step_group reads the engine's ``grad_scale`` when it
-            # runs, and the engine clears it as step() returns, which may be before the
-            # worker gets there: the gradients are multiplied here instead, once.
-            scale = getattr(optimizer, "grad_scale", None)
-            if scale is not None:
-                torch._foreach_div_([masters[k].grad for k in cpu_groups], float(scale))   # as fused kernels do
-                optimizer.grad_scale = None
 
         def run() -> None:
             for k in cpu_groups:
@@ -114,11 +106,9 @@ class DelayedUpdate:
 
         done = threading.Event()
         done.set()
-        tier._stepped = [done] * len(ranges)     # the shards are not written: no unit waits
-        tier._uploaded = {}
         self.live = True
         self.steps += 1
-        tier._future = tier.step_worker().submit(run)
+        tier.run_in_background(run, [done] * len(ranges), {})    # the shards are not written: no unit waits
 
     def released(self, unit: int) -> None:
         """The backward no longer reads ``unit``'s shard in this step (its reduced gradient

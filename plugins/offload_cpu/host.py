@@ -35,7 +35,7 @@ import torch
 
 from zeroplug.flat import set_grad
 from zeroplug.slots import takes_grad_scale
-from zeroplug.tiers import OffloadTier, TierCapabilities, grad_multiplier, init_group_states, step_group
+from zeroplug.tiers import OffloadTier, SubGroupOptimizer, TierCapabilities, init_group_states, step_group
 
 from .delayed import DelayedUpdate
 from .speculative import Speculation
@@ -54,7 +54,41 @@ GRANULARITY = 100_000_000
 
 
 class HostTier(OffloadTier):
-    """Masters, gradients and optimizer states in host memory; the optimizer steps them there."""
+    """Masters, gradients and optimizer states in host memory; the optimizer steps them there.
+
+    A public base: the "cpu" tier and the "nvme" tier extend it, and so may a third party's
+    tier whose states are staged in host memory. It implements the whole
+    :class:`zeroplug.tiers.OffloadTier` contract for kind "optimizer" (gradient copies on a
+    side stream, the step sub-group by sub-group, publishing, the overlapped step, the
+    delayed update and the speculative step); kind "param" keeps the base class's defaults.
+
+    A subclass provides ``Options`` (its TOML table) and may override:
+
+    * what it decides: :meth:`check_memory`, :meth:`grad_dtype`, :meth:`overlaps`,
+      :meth:`overlap_threads`, :meth:`make_lane`, :meth:`delayed_warmup`,
+      :meth:`speculative_mode`, :meth:`speculation_refused` (defaults: no check, fp32
+      gradients, a serial step, no lane, no delayed or speculative step);
+    * where states live: :meth:`empty` (host buffers), ``capabilities``, and :meth:`plan`,
+      which must set ``masters`` (one fp32 tensor per sub-group, each with its ``.grad``),
+      ``unit_masters`` and ``layout``, then call :meth:`start_movement`; with states out of
+      memory between uses, ``export`` / ``import_`` (the base's bring them in through
+      ``acquire`` / ``release``);
+    * the order of the step: :meth:`sub_group_loop` calls ``step_one(k)`` for each sub-group
+      (the nvme tier reads ahead and writes behind around it, and calls
+      :meth:`publish_done` before a master leaves memory).
+
+    What a subclass (and :mod:`.delayed`, :mod:`.speculative`) may read: ``layout``,
+    ``masters``, ``unit_masters``, ``ranges`` (each sub-group's [start, end) in the rank's
+    master numbering), ``grad_at``, ``sub_group_of``, ``lane`` / ``lane_groups``, ``cuda``,
+    ``train_device``, the ``d2h`` / ``h2d`` streams, :meth:`pieces`, :meth:`step_worker`,
+    :meth:`run_in_background`, :meth:`step_sub_group` and :meth:`publish_master`. Names with
+    a leading underscore are this class's own.
+    """
+
+    #: the GPU lane (gpu_lane.py) that steps a share of the sub-groups, when ``make_lane`` made one
+    lane = None
+    _worker: ThreadPoolExecutor | None = None   # the step worker (step_worker())
+    _future = None                              # the step in flight (None: nothing pending)
 
     @property
     def device(self) -> torch.device:
@@ -141,7 +175,6 @@ class HostTier(OffloadTier):
         self.staging: list[torch.Tensor] = []        # device fp32 chunk (master copied, then cast)
         self.host_staging: list[torch.Tensor] = []   # host model-dtype ring (written by step_group)
         self.events: dict = {}
-        self._worker: ThreadPoolExecutor | None = None
         self._future = None                        # the step in flight (None: nothing pending)
         self._stepped: list[threading.Event] = []  # set when sub-group k is stepped and published
         self._uploaded: dict[int, object] = {}     # k -> CUDA event of its H2D (device shards)
@@ -208,7 +241,7 @@ class HostTier(OffloadTier):
         if self.kind != "optimizer" or self._lane_decided:
             return
         self._lane_decided = True
-        fused = hasattr(optimizer, "step_group") and self.layout.shards_in_memory
+        fused = isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory
         self.make_lane(optimizer, self.ranges, fused)
         on_host = [k for k in range(len(self.ranges)) if k not in self.lane_groups]
         for k in range(len(self.ranges)):
@@ -262,12 +295,12 @@ class HostTier(OffloadTier):
         if self.cuda:
             torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
 
-    def step(self, optimizer) -> None:
+    def step(self, optimizer, grad_multiplier: float = 1.0) -> None:
         groups = optimizer.param_groups
         masters = self.masters
         ranges = self.ranges
-        fused = hasattr(optimizer, "step_group") and self.layout.shards_in_memory
-        mult = grad_multiplier(optimizer)     # captured now: the engine clears grad_scale on return
+        fused = isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory
+        mult = grad_multiplier
         overlapped = fused and self.overlaps()
         threads = self.overlap_threads() if overlapped else None
         if self.cuda:
@@ -302,7 +335,7 @@ class HostTier(OffloadTier):
         """Step sub-group k with gradient multiplier ``mult`` and publish it; returns the CUDA
         event of its upload from the host ring, if it went through one (else None)."""
         a, b = self.ranges[k]
-        if hasattr(optimizer, "step_group") and self.layout.shards_in_memory:
+        if isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory:
             # Note: an optimizer with step_group (cpu_adam) writes the model-dtype copy in its
             # own pass: straight into host shards, or into a pinned staging buffer that goes
             # up at 2 bytes per element; otherwise the fp32 master is copied and cast.
@@ -328,15 +361,23 @@ class HostTier(OffloadTier):
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
         return self._worker
 
+    def run_in_background(self, run, stepped: list[threading.Event], uploaded: dict) -> None:
+        """Run ``run`` (a step) on :meth:`step_worker` and return: from now on ``wait(k)`` and
+        ``ready(k)`` follow ``stepped[k]`` (set once sub-group k's shards hold their new values)
+        and ``uploaded[k]`` (the CUDA event of their upload, if any; ``run`` may add to it), and
+        ``wait_all()`` / ``in_flight()`` follow ``run`` itself."""
+        self._stepped, self._uploaded = stepped, uploaded
+        self._future = self.step_worker().submit(run)
+
     def _start_overlapped(self, step_one, cpu_groups, done, uploads) -> None:
         """``done``: sub-groups not stepped here (the GPU lane's, queued on the device, and
         those the backward stepped speculatively, with their upload events ``uploads``)."""
-        self._stepped = [threading.Event() for _ in self.ranges]
+        stepped = [threading.Event() for _ in self.ranges]
         lane_events = self.lane.events if self.lane is not None else {}
-        self._uploaded = {k: lane_events[k] for k in done if k in lane_events}
-        self._uploaded.update(uploads)
+        uploaded = {k: lane_events[k] for k in done if k in lane_events}
+        uploaded.update(uploads)
         for k in done:
-            self._stepped[k].set()      # queued on the GPU, or stepped by the backward's jobs
+            stepped[k].set()      # queued on the GPU, or stepped by the backward's jobs
 
         def run() -> None:
             for k in cpu_groups:
@@ -344,10 +385,10 @@ class HostTier(OffloadTier):
                 if self.cuda:
                     ev = self.events.get(("staging", k % 2))
                     if ev is not None:
-                        self._uploaded[k] = ev
-                self._stepped[k].set()
+                        uploaded[k] = ev
+                stepped[k].set()
 
-        self._future = self.step_worker().submit(run)
+        self.run_in_background(run, stepped, uploaded)
         self.overlapped_steps += 1
 
     def _wait_host(self, k: int) -> None:
@@ -480,6 +521,6 @@ class HostTier(OffloadTier):
 
     def close(self) -> None:
         super().close()
-        worker, self._worker = getattr(self, "_worker", None), None
+        worker, self._worker = self._worker, None
         if worker is not None:
             worker.shutdown(wait=True)

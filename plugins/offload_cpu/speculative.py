@@ -47,19 +47,12 @@ from collections import Counter, deque
 import torch
 
 from zeroplug.observe.memory import host_available_bytes
+from zeroplug.tiers import fp32_multiplier
 
 #: "auto" speculates after this many steps in a row that neither clipped nor overflowed
 AUTO_CLEAN_STEPS = 4
 #: host memory left available when a sub-group's copy is allocated (else it does not speculate)
 HOST_RESERVE = 2 << 30
-
-
-def step_multiplier(factor: float) -> float:
-    """What the step multiplies gradients by for the engine's unscale x clip ``factor``: the
-    engine hands it over as an fp32 ``grad_scale`` of 1 / factor (none when it is 1), which
-    ``zeroplug.tiers.grad_multiplier`` reads back. (Were the two to differ, every guess
-    would fail validation and be redone: slower, never wrong.)"""
-    return 1.0 if factor == 1.0 else 1.0 / float(torch.tensor(1.0 / factor, dtype=torch.float32))
 
 
 def settings(optimizer) -> list[dict]:
@@ -141,7 +134,7 @@ class Speculation:
         """A boundary backward begins; True if its sub-groups step during it (the engine then
         sets the step's lr, before any gradient arrives)."""
         self.discard()                      # a boundary backward again without a step
-        self.window = w = Window(optimizer, step_multiplier(1.0 / loss_scale), self.wanted())
+        self.window = w = Window(optimizer, fp32_multiplier(1.0 / loss_scale), self.wanted())
         w.left = dict(self.units)
         return w.active
 

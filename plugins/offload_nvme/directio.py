@@ -10,11 +10,11 @@ ALIGN = 4096                          # O_DIRECT alignment of memory, offsets an
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _align(n: int, a: int = ALIGN) -> int:
+def align(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
     if not torch.is_tensor(t):
         raise TypeError(f"AsyncSwapper: expected a tensor, got {type(t).__name__}")
     if not t.is_contiguous():
@@ -25,17 +25,17 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def _copy_in(buf: torch.Tensor, src: torch.Tensor, off: int, n: int, padded: int) -> None:
+def copy_in(buf: torch.Tensor, src: torch.Tensor, off: int, n: int, padded: int) -> None:
     buf[:n].copy_(src[off:off + n])
     if padded > n:
         buf[n:padded].zero_()
 
 
-def _copy_out(buf: torch.Tensor, dst: torch.Tensor, off: int, n: int) -> None:
+def copy_out(buf: torch.Tensor, dst: torch.Tensor, off: int, n: int) -> None:
     dst[off:off + n].copy_(buf[:n])
 
 
-def _has_direct(fd: int) -> bool:
+def has_direct(fd: int) -> bool:
     import fcntl
     try:
         return bool(O_DIRECT) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
@@ -43,6 +43,6 @@ def _has_direct(fd: int) -> bool:
         return False
 
 
-def _clear_direct(fd: int) -> None:
+def clear_direct(fd: int) -> None:
     import fcntl
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)

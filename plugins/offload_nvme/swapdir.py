@@ -78,7 +78,7 @@ def _tree_bytes(d: HeldDir) -> int:
     return total
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     return f"{n / GB:.2f} GiB" if n >= GB / 10 else f"{n / 2**20:.1f} MiB"
 
 
@@ -174,10 +174,10 @@ def _remove_stale(parent: HeldDir, name: str, held: HeldDir, lock, rec: dict | N
     who = describe_holder(rec) if rec else "an unknown process"
     if left:
         log.warning("NVMe swap: found the stale swap directory %s (%s) of %s, but could not remove it; remove "
-                    "%s by hand", d, _fmt_bytes(size), who, left)
+                    "%s by hand", d, fmt_bytes(size), who, left)
         return None
     log.warning("NVMe swap: removed the stale swap directory %s (%s) left by a run that ended without cleaning "
-                "up (%s; %s)", d, _fmt_bytes(size), who, why)
+                "up (%s; %s)", d, fmt_bytes(size), who, why)
     return d, size
 
 
@@ -269,7 +269,7 @@ def _clean_one(parent: HeldDir, name: str) -> tuple[str, int] | None:
         held.close()
 
 
-def _make_run_dir(base: str) -> RunDir:
+def make_run_dir(base: str) -> RunDir:
     """Create this run's private directory, locked. It is made under a hidden name, held by
     a descriptor and checked (this user's, 0700), locked, then renamed, so a directory under
     the final name always has a lock file (held while the run lives)."""
@@ -334,19 +334,34 @@ _LIVE_LOCK = threading.Lock()
 _HANDLER_STATE: dict[str, Any] = {"installed": False, "previous": None, "exiting": False}
 
 
-def _cleanup_all(fast: bool) -> None:
+def register_live(swapper) -> None:
+    """``swapper`` has a run directory: removed at exit and on SIGTERM unless it is removed first."""
+    with _LIVE_LOCK:
+        _LIVE[id(swapper)] = swapper
+    _install_handlers()
+
+
+def forget_live(swapper) -> None:
+    """``swapper`` removed its run directory (harmless when it was never registered)."""
+    with _LIVE_LOCK:
+        _LIVE.pop(id(swapper), None)
+
+
+def cleanup_all(fast: bool) -> None:
+    """Remove every live swapper's run directory (``fast``: the SIGTERM path)."""
     with _LIVE_LOCK:
         swappers = list(_LIVE.values())
     for s in swappers:
         try:
-            s._remove_dir(fast=True) if fast else s.close(wait=False)
-        except Exception:   # noqa: BLE001 - cleanup at exit must not raise
-            pass
+            s.remove_dir(fast=True) if fast else s.close(wait=False)
+        except Exception as exc:   # noqa: BLE001 - cleanup at exit must not raise
+            log.debug("NVMe swap: cleaning up %r at exit failed: %r", s, exc)
 
 
-def _atexit() -> None:
+def at_exit() -> None:
+    """The atexit handler: every live run directory removed."""
     _HANDLER_STATE["exiting"] = True
-    _cleanup_all(fast=False)
+    cleanup_all(fast=False)
 
 
 def _on_sigterm(signum, frame):
@@ -359,7 +374,7 @@ def _on_sigterm(signum, frame):
         return
     if _HANDLER_STATE["exiting"]:
         return                     # atexit is cleaning up, and the process ends after it
-    _cleanup_all(fast=True)        # the default action follows: files first
+    cleanup_all(fast=True)        # the default action follows: files first
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -385,6 +400,6 @@ def _after_fork_in_child() -> None:
         _LIVE.clear()
 
 
-atexit.register(_atexit)
+atexit.register(at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 

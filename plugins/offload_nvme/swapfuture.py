@@ -11,6 +11,11 @@ class SwapFuture:
     def __init__(self, fut: _CFuture, key: Hashable, nbytes: int, owner):
         self._fut, self.key, self.nbytes, self._owner = fut, key, nbytes, owner
 
+    @property
+    def future(self) -> _CFuture:
+        """The transfer's ``concurrent.futures.Future`` (what the swapper tracks)."""
+        return self._fut
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raises the transfer's :class:`SwapError` (once seen here,
         :meth:`AsyncSwapper.wait_all` does not raise it again)."""
@@ -18,7 +23,7 @@ class SwapFuture:
             self._fut.result(timeout)
         except BaseException:
             if self._fut.done():
-                self._owner._seen(self._fut)
+                self._owner.error_seen(self._fut)
             raise
 
     def done(self) -> bool:

@@ -50,12 +50,12 @@ import torch
 
 from zeroplug.errors import ConfigError
 
-from .directio import ALIGN, O_DIRECT, _align, _bytes_of, _clear_direct, _copy_in, _copy_out, _has_direct
+from .directio import ALIGN, O_DIRECT, align, bytes_of, clear_direct, copy_in, copy_out, has_direct
 from .errors import SwapError, explain
-from .swapdir import _LIVE, _LIVE_LOCK, _install_handlers, _make_run_dir, check_path, clean_stale, remove_run_dir
+from .swapdir import check_path, clean_stale, forget_live, make_run_dir, register_live, remove_run_dir
 # Re-exported, so that everything stays importable from this module:
 from .errors import SwapIOError, SwapMemoryError, SwapPathError, SwapSpaceError  # noqa: F401
-from .swapdir import DIR_PREFIX, _atexit, _cleanup_all  # noqa: F401
+from .swapdir import DIR_PREFIX, at_exit, cleanup_all  # noqa: F401
 from .swapfuture import SwapFuture
 from .swapplan import SwapPlan, plan  # noqa: F401
 
@@ -107,7 +107,7 @@ class AsyncSwapper:
         clean_stale(self.base)
         self.buffer_count, self.block_size = int(buffer_count), int(block_size)
         self.queue_depth, self.thread_count = int(queue_depth), int(thread_count)
-        self.buffer_bytes = _align(int(buffer_size) * int(element_size))
+        self.buffer_bytes = align(int(buffer_size) * int(element_size))
         self.pinned = bool(pin_memory) and torch.cuda.is_available()
         self.direct = bool(direct) and O_DIRECT != 0
         self._direct_ok = False      # a direct request succeeded: EINVAL is then a real error
@@ -123,12 +123,10 @@ class AsyncSwapper:
         self._loop = None
         self._io = self._copy = None
         self._buffers: list[torch.Tensor] = []
-        self._rundir = _make_run_dir(self.base)
+        self._rundir = make_run_dir(self.base)
         self._held = self._rundir.held  # every file is opened relative to it (never by path)
         self._dir = self._rundir.path
-        with _LIVE_LOCK:
-            _LIVE[id(self)] = self
-        _install_handlers()
+        register_live(self)
         try:
             self._buffers = [self._alloc(self.buffer_bytes) for _ in range(self.buffer_count)]
             self._views = [memoryview((ctypes.c_char * self.buffer_bytes).from_address(b.data_ptr())).cast("B")
@@ -184,7 +182,7 @@ class AsyncSwapper:
         Returns at once; the tensor must not change until the future is done (its
         bytes are copied into the bounce buffers in the background).
         """
-        src = _bytes_of(tensor)
+        src = bytes_of(tensor)
         with self._lock:
             self._check_open()
             name = self._names.get(key)
@@ -198,7 +196,7 @@ class AsyncSwapper:
 
     def read(self, key: Hashable, out: torch.Tensor) -> SwapFuture:
         """Read ``key``'s bytes into ``out`` (same byte size; any dtype, contiguous, CPU or CUDA)."""
-        dst = _bytes_of(out)
+        dst = bytes_of(out)
         with self._lock:
             self._check_open()
             size = self._sizes.get(key)
@@ -218,8 +216,8 @@ class AsyncSwapper:
         for f in pending:
             try:
                 f.result()
-            except BaseException:    # noqa: BLE001 - collected below
-                pass
+            except BaseException as exc:    # noqa: BLE001 - collected below
+                log.debug("NVMe swap: a transfer failed (raised below): %r", exc)
         with self._lock:
             errors, self._errors = self._errors, []
         if errors:
@@ -234,7 +232,7 @@ class AsyncSwapper:
             fut = self._submit(key, self._delete(key, self._last.get(key)), 0)
         fut.wait()
         with self._lock:
-            if self._last.get(key) is fut._fut:
+            if self._last.get(key) is fut.future:
                 del self._last[key]
 
     def keys(self) -> list:
@@ -253,13 +251,13 @@ class AsyncSwapper:
                 for f in list(self._pending):
                     try:
                         f.result()
-                    except BaseException:   # noqa: BLE001 - reported to whoever waits on it
-                        pass
+                    except BaseException as exc:    # noqa: BLE001 - reported to whoever waits on it
+                        log.debug("NVMe swap: a transfer failed as the swapper closed: %r", exc)
             else:
                 try:
                     asyncio.run_coroutine_threadsafe(self._cancel_all(), loop).result(timeout=30)
-                except Exception:           # noqa: BLE001
-                    pass
+                except Exception as exc:    # noqa: BLE001 - closing goes on: the loop is stopped next
+                    log.debug("NVMe swap: cancelling the transfers in flight failed: %r", exc)
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout=30)
         # Note: requests already inside a syscall cannot be cancelled; the pools' shutdown
@@ -270,7 +268,7 @@ class AsyncSwapper:
         if loop is not None and not loop.is_running():
             loop.close()
         self._views, self._buffers = [], []
-        self._remove_dir()
+        self.remove_dir()
 
     def __enter__(self) -> "AsyncSwapper":
         return self
@@ -288,11 +286,10 @@ class AsyncSwapper:
         if self._closed:
             raise SwapError("NVMe swap: the swapper is closed", self._dir)
 
-    def _remove_dir(self, fast: bool = False) -> None:
+    def remove_dir(self, fast: bool = False) -> None:
         """``fast``: the SIGTERM path, with transfers maybe still running (the directory's
         descriptor stays open, see :func:`.swapdir.remove_run_dir`)."""
-        with _LIVE_LOCK:
-            _LIVE.pop(id(self), None)
+        forget_live(self)
         self._dir = None
         run, self._rundir = self._rundir, None
         if run is None or os.getpid() != self._owner:
@@ -300,8 +297,8 @@ class AsyncSwapper:
         remove_run_dir(run, close=not fast)
         try:                     # and what dead runs left here (a rank killed beside this one)
             clean_stale(self.base)
-        except Exception:        # noqa: BLE001 - cleanup must not raise
-            pass
+        except Exception as exc:     # noqa: BLE001 - cleanup must not raise
+            log.debug("NVMe swap: cleaning up stale swap directories under %s failed: %r", self.base, exc)
 
     def _submit(self, key, coro, nbytes: int) -> SwapFuture:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -316,7 +313,8 @@ class AsyncSwapper:
             if not fut.cancelled() and fut.exception() is not None:
                 self._errors.append(fut)
 
-    def _seen(self, fut) -> None:
+    def error_seen(self, fut) -> None:
+        """A failed transfer's error was raised to its caller: wait_all() does not raise it again."""
         with self._lock:
             if fut in self._errors:
                 self._errors.remove(fut)
@@ -333,8 +331,8 @@ class AsyncSwapper:
         if prev is not None:
             try:
                 await asyncio.wrap_future(prev)
-            except BaseException:    # noqa: BLE001 - the earlier transfer reports its own error
-                pass
+            except BaseException as exc:    # noqa: BLE001 - the earlier transfer reports its own error
+                log.debug("NVMe swap: the transfer this one follows failed: %r", exc)
 
     async def _run(self, pool, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -374,15 +372,15 @@ class AsyncSwapper:
                     # O_DIRECT at I/O time (tmpfs, some FUSE / network filesystems)
                     if exc.errno == errno.EINVAL and not self._direct_ok and not retried:
                         retried = True
-                        if _has_direct(fd):
-                            _clear_direct(fd)
+                        if has_direct(fd):
+                            clear_direct(fd)
                         self._fall_back("EINVAL on the first aligned O_DIRECT request")
                         continue
                     raise
                 if n == 0:
                     raise OSError(errno.EIO, "unexpected end of file" if not write else "wrote 0 bytes")
                 done += n
-            if not self._direct_ok and self.direct and _has_direct(fd):
+            if not self._direct_ok and self.direct and has_direct(fd):
                 self._direct_ok = True
 
     async def _gather(self, coros) -> None:
@@ -403,8 +401,8 @@ class AsyncSwapper:
             writes = []
             for p in range(0, n, step):
                 m = min(step, n - p)
-                padded = _align(m)
-                await self._run(self._copy, _copy_in, self._buffers[i][p:], src, off + p, m, padded)
+                padded = align(m)
+                await self._run(self._copy, copy_in, self._buffers[i][p:], src, off + p, m, padded)
                 writes.append(asyncio.ensure_future(
                     self._blocks(fd, self._views[i][p:p + padded], off + p, write=True)))
             await self._gather(writes)
@@ -414,8 +412,8 @@ class AsyncSwapper:
     async def _read_chunk(self, fd: int, dst: torch.Tensor, off: int, n: int) -> None:
         i = await self._free.get()
         try:
-            await self._blocks(fd, self._views[i][:_align(n)], off, write=False)
-            await self._run(self._copy, _copy_out, self._buffers[i], dst, off, n)
+            await self._blocks(fd, self._views[i][:align(n)], off, write=False)
+            await self._run(self._copy, copy_out, self._buffers[i], dst, off, n)
         finally:
             self._free.put_nowait(i)
 
@@ -429,7 +427,7 @@ class AsyncSwapper:
         fd = -1
         try:
             fd = await self._run(self._io, self._open, name, True)
-            padded = _align(n)
+            padded = align(n)
             size = os.fstat(fd).st_size
             if size < padded:       # allocate up front: ENOSPC before any data moves, and the
                 # parallel direct writes are then overwrites (shared inode lock on ext4/xfs)

@@ -15,9 +15,9 @@ import torch
 from zeroplug.errors import ConfigError
 from zeroplug.observe.memory import host_available_bytes
 
-from .directio import ALIGN, _align
+from .directio import ALIGN, align
 from .errors import SwapMemoryError, SwapSpaceError
-from .swapdir import _fmt_bytes, check_path, clean_stale
+from .swapdir import check_path, clean_stale, fmt_bytes
 
 log = logging.getLogger("zeroplug")
 
@@ -35,8 +35,8 @@ class SwapPlan:
 
     def describe(self) -> str:
         return (f"NVMe swap at {self.path}: {self.buffer_count} x {self.buffer_numel} elements "
-                f"= {_fmt_bytes(self.pinned_bytes)} of {'pinned ' if self.pinned else ''}host buffers; "
-                f"swap files {_fmt_bytes(self.swap_bytes)} of {_fmt_bytes(self.free_bytes)} free")
+                f"= {fmt_bytes(self.pinned_bytes)} of {'pinned ' if self.pinned else ''}host buffers; "
+                f"swap files {fmt_bytes(self.swap_bytes)} of {fmt_bytes(self.free_bytes)} free")
 
 
 def plan(total_bytes: int, largest_numel: int, options, *, element_size: int = 4,
@@ -61,25 +61,25 @@ def plan(total_bytes: int, largest_numel: int, options, *, element_size: int = 4
             f"... than buffer size\"). Set {where}.buffer_size >= {largest_numel}, or lower "
             f"zero.sub_group_size", key=f"{where}.buffer_size")
     count = options.buffer_count if options.buffer_count is not None else 4
-    buffer_bytes = _align(size * element_size)
+    buffer_bytes = align(size * element_size)
     pinned = bool(options.pin_memory) and torch.cuda.is_available()
     pinned_bytes = count * buffer_bytes
     avail = host_available_bytes()
     if pinned_bytes > avail:
         raise SwapMemoryError(
-            f"NVMe swap buffers need {_fmt_bytes(pinned_bytes)} ({pinned_bytes} bytes) of "
+            f"NVMe swap buffers need {fmt_bytes(pinned_bytes)} ({pinned_bytes} bytes) of "
             f"{'pinned ' if pinned else ''}host memory ({where}.buffer_count = {count} x buffer_size = "
-            f"{size} elements x {element_size} bytes) but only {_fmt_bytes(avail)} ({avail} bytes) is "
+            f"{size} elements x {element_size} bytes) but only {fmt_bytes(avail)} ({avail} bytes) is "
             f"available. Lower {where}.buffer_count or buffer_size (not below {largest_numel}), or "
             f"free host memory", path)
     clean_stale(path)
-    swap_bytes = _align(int(total_bytes)) + num_files * ALIGN
+    swap_bytes = align(int(total_bytes)) + num_files * ALIGN
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if swap_bytes > free:
         raise SwapSpaceError(
-            f"NVMe swap: the swap files need {_fmt_bytes(swap_bytes)} ({swap_bytes} bytes) at {path} but "
-            f"only {_fmt_bytes(free)} ({free} bytes) is free there. Free space, point {where}.nvme_path "
+            f"NVMe swap: the swap files need {fmt_bytes(swap_bytes)} ({swap_bytes} bytes) at {path} but "
+            f"only {fmt_bytes(free)} ({free} bytes) is free there. Free space, point {where}.nvme_path "
             f"at a larger disk, or use more ranks (each holds a 1/N shard)", path, errno.ENOSPC)
     p = SwapPlan(path, size, buffer_bytes, count, pinned, pinned_bytes, swap_bytes, free)
     log.info(p.describe())

@@ -136,7 +136,7 @@ class CPUAdam(OptimizerFactory):
             self.binding = start(self.run, self.plan_mode())
         grads = [p.grad.dtype for g in params for p in (g["params"] if isinstance(g, dict) else [g])
                  if isinstance(p, torch.Tensor) and p.grad is not None]
-        lp = getattr(self.run.config.slot("precision").impl, "param_dtype", torch.float32) if grads else None
+        lp = self.run.config.slot("precision").impl.param_dtype if grads else None
         self.plan = finish(self.run, self.plan_mode(), self.binding, o.threads, tier_workers(self.run),
                            grads[0] if grads else torch.float32, lp)
         for warning in self.plan.warnings:
@@ -166,7 +166,7 @@ def warm_up_variants(optimizer, run, threads: int) -> tuple[list, tuple]:
     counts: the serial step's, and the overlapped step's (one core left to the loop)."""
     grads = [p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if grads:
-        lp = getattr(run.config.slot("precision").impl, "param_dtype", torch.float32)
+        lp = run.config.slot("precision").impl.param_dtype
     else:
         grads, lp = [torch.float32], None
     counts = (threads, threads - 1) if threads > 1 else (threads,)

@@ -9,12 +9,12 @@ An Adam step is memory bound: the fp32 step reads p, g, m, v and writes p, m, v 
 per element) and does a sqrt and a division per element, which a vector unit hides behind
 the memory traffic.  So what matters is that every element is touched exactly once.  The
 offload update (``step_param(p, grad=bf16, lp_out=bf16)``) must in the same single pass
-convert the gradient, apply ``grad_scale`` and write the low-precision copy of the
+convert the gradient, apply the gradient multiplier and write the low-precision copy of the
 parameter; done with separate torch ops that would be 4-5 passes over memory.
 
 Two implementations, picked per call (``impl="auto"``, the default): ``compile``, one
 ``torch.compile`` d kernel over the whole sub-group (for conversions / lp copies /
-grad_scale, where it works), or ``eager``, ATen's fused single-pass kernel. Both, and how
+multipliers, where it works), or ``eager``, ATen's fused single-pass kernel. Both, and how
 the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`.
 
 Tensors below ``_MIN_COMPILE_NUMEL`` always use ``eager`` (a compiled call costs ~30-40 us
@@ -55,12 +55,10 @@ class CPUAdam(torch.optim.Optimizer):
     State uses torch's names (``step`` as a float32 0-dim tensor, ``exp_avg``,
     ``exp_avg_sq``) so that state dicts load into ``torch.optim.AdamW`` and back.
 
-    ``grad_scale`` (a 0-dim tensor or None, set by the caller around ``step()``) means
-    what it means for torch's fused optimizers: every gradient is divided by it, inside
-    the one pass (the engine folds loss-scale unscaling and clipping into it).
+    It is a :class:`zeroplug.tiers.SubGroupOptimizer`: :meth:`step_group` steps one param
+    group with a gradient multiplier applied inside the one pass (the engine folds
+    loss-scale unscaling and clipping into it).
     """
-
-    takes_grad_scale = True     # the engine may set grad_scale instead of scaling gradients
 
     def __init__(
         self,
@@ -102,20 +100,18 @@ class CPUAdam(torch.optim.Optimizer):
         self._group_of: dict[int, tuple] = {}
         self._tls = threading.local()
         self._state_lock = threading.Lock()
-        self.grad_scale: torch.Tensor | None = None
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("impl", "auto")
         self.__dict__.setdefault("threads", None)
-        self.grad_scale = None
         self._group_of = {}
         self._tls = threading.local()
         self._state_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         d = super().__getstate__()
-        for k in ("_group_of", "_tls", "_state_lock", "grad_scale"):
+        for k in ("_group_of", "_tls", "_state_lock"):
             d.pop(k, None)
         return d
 
@@ -132,7 +128,7 @@ class CPUAdam(torch.optim.Optimizer):
         return hit[1]
 
     def init_group_states(self, k: int) -> None:
-        """Allocate param group ``k``'s moments now (zeroplug.tiers.init_group_states): an
+        """Allocate param group ``k``'s moments now (zeroplug.tiers.SubGroupOptimizer): an
         offload tier calls it inside ``initialize`` so the first step allocates nothing."""
         for p in self.param_groups[k]["params"]:
             self._init_state(p)
@@ -206,16 +202,11 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        mult = self.grad_multiplier()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step(p, group, p.grad, None, mult)
+                    self._step(p, group, p.grad, None, 1.0)
         return loss
-
-    def grad_multiplier(self) -> float:
-        """What gradients are multiplied by in this step: 1 / grad_scale (1 when unset)."""
-        return 1.0 if self.grad_scale is None else 1.0 / float(self.grad_scale)
 
     @torch.no_grad()
     def step_param(
@@ -223,13 +214,13 @@ class CPUAdam(torch.optim.Optimizer):
         p: torch.Tensor,
         grad: torch.Tensor | None = None,
         lp_out: torch.Tensor | None = None,
-        grad_scale: float = 1.0,
+        grad_multiplier: float = 1.0,
         threads: int | None = None,
     ) -> None:
         """Step one parameter (sub-group) in one fused pass.
 
         ``grad`` defaults to ``p.grad``; fp32, bf16 or fp16, converted inside the pass and
-        multiplied by ``grad_scale`` (a multiplier, unlike the ``grad_scale`` attribute).
+        multiplied by ``grad_multiplier``.
         ``lp_out`` (bf16/fp16/fp32, ``p.numel()`` elements) receives the updated parameter
         rounded to its dtype in the same pass; it may also be a list of contiguous tensors
         of one dtype that together hold ``p.numel()`` elements, filled in order (the
@@ -243,19 +234,18 @@ class CPUAdam(torch.optim.Optimizer):
             grad = p.grad
             if grad is None:
                 raise ValueError("step_param: no grad given and p.grad is None")
-        self._step(p, self._find_group(p), grad, lp_out, float(grad_scale), threads)
+        self._step(p, self._find_group(p), grad, lp_out, float(grad_multiplier), threads)
 
     @torch.no_grad()
     def step_group(self, k: int, lp_out=None, grad_multiplier: float = 1.0, threads: int | None = None) -> None:
-        """Step param group ``k`` alone (an offloaded sub-group: zeroplug's declared
-        per-sub-group call, :func:`zeroplug.tiers.step_group`). ``lp_out`` (with a group of
-        one tensor) and ``threads`` as in :meth:`step_param`; ``grad_multiplier`` is the
-        multiplier :meth:`step_param` calls ``grad_scale``."""
+        """Step param group ``k`` alone (an offloaded sub-group:
+        :meth:`zeroplug.tiers.SubGroupOptimizer.step_group`). ``lp_out`` (with a group of one
+        tensor), ``grad_multiplier`` and ``threads`` as in :meth:`step_param`."""
         params = [p for p in self.param_groups[k]["params"] if p.grad is not None]
         if lp_out is not None and len(params) != 1:
             raise ValueError("cpu_adam.step_group: lp_out needs a param group of one tensor")
         for p in params:
-            self.step_param(p, lp_out=lp_out, grad_scale=grad_multiplier, threads=threads)
+            self.step_param(p, lp_out=lp_out, grad_multiplier=grad_multiplier, threads=threads)
 
     def _step(self, p, group, grad, lp_out, grad_scale, threads=None) -> None:
         if p.device.type != "cpu" or p.dtype != torch.float32:

@@ -161,7 +161,8 @@ def _inductor_default() -> str | None:
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
         return os.path.abspath(default_cache_dir())
-    except Exception:       # another torch layout
+    except Exception as exc:    # noqa: BLE001 - another torch layout
+        log.debug("cpu_adam: inductor's default cache directory is unknown here: %r", exc)
         return None
 
 
@@ -384,8 +385,8 @@ def _pick_vec_isa() -> None:
     try:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
         pick_vec_isa()
-    except Exception:      # another torch layout: the build checks what it needs
-        pass
+    except Exception as exc:   # noqa: BLE001 - another torch layout: the build checks what it needs
+        log.debug("cpu_adam: picking the vector ISA ahead failed: %r", exc)
 
 
 def _import_compiler() -> None:
@@ -394,8 +395,8 @@ def _import_compiler() -> None:
     try:
         import torch._inductor.codecache  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
-    except Exception:      # another torch layout: the build imports what it needs
-        pass
+    except Exception as exc:   # noqa: BLE001 - another torch layout: the build imports what it needs
+        log.debug("cpu_adam: importing inductor ahead failed: %r", exc)
 
 
 def _read_variants(path: str) -> set[str]:

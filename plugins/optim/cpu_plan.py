@@ -178,8 +178,7 @@ def tier_workers(run) -> dict:
             choice = run.config.slot(path)
         except (KeyError, AttributeError):
             continue
-        fn = getattr(choice.impl, "cpu_workers", None)
-        for name, n in ((fn(choice.options, run, kind) or {}) if fn is not None else {}).items():
+        for name, n in (choice.impl.cpu_workers(choice.options, run, kind) or {}).items():
             out[name] = out.get(name, 0) + int(n)
     return out
 
@@ -279,7 +278,8 @@ def compiled_kernel_expected() -> bool:
         if CPUAdam([torch.zeros(1)]).impl == "eager":
             return False
         return compiler_missing() is None
-    except Exception:       # a broken toolchain: the eager path is what runs
+    except Exception as exc:    # noqa: BLE001 - a broken toolchain: the eager path is what runs
+        log.debug("cpu plan: the compiled cpu_adam kernel is not available: %r", exc)
         return False
 
 

@@ -9,9 +9,12 @@ on 2 NUMA nodes, SMT siblings, sets smaller than the ranks).
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from dataclasses import dataclass, field
+
+log = logging.getLogger("zeroplug")
 
 SYS_NODE = "/sys/devices/system/node"
 SYS_CPU = "/sys/devices/system/cpu"
@@ -181,7 +184,8 @@ def gpu_numa_node(device, root: str = SYS_PCI):
         import torch
         props = torch.cuda.get_device_properties(device)
         bus_id = "%04x:%02x:%02x.0" % (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
-    except Exception:       # no CUDA, or a torch without the PCI fields
+    except Exception as exc:    # noqa: BLE001 - no CUDA, or a torch without the PCI fields
+        log.debug("cpu plan: no PCI address for device %s: %r", device, exc)
         return None
     text = read_text(os.path.join(root, bus_id, "numa_node"))
     try:

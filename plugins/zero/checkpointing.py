@@ -235,7 +235,7 @@ def export_state(part, optimizer=None, parts=None) -> dict:
     if run.rank == 0:
         # Note: frozen parameters that stage 3 shards are not saved: they come from the model
         # as it is built (from_pretrained); the checkpoint holds what training changes.
-        laid_out = {id(p) for u in getattr(part, "all_units", part.units) for p in u.params}
+        laid_out = {id(p) for u in part.all_units for p in u.params}
         for k, v in part.module.state_dict(keep_vars=True).items():
             if id(v) in laid_out:
                 continue
@@ -411,13 +411,13 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
             # parameter groups of one's own (model_parameters) keep the settings the engine was
             # built with; the saved ones are one group's
             install_optimizer_state(optimizer, masters, new_state, scalars or {}, keys,
-                                     groups if getattr(part, "groups", None) is None or part.groups.plain else None)
+                                     groups if part.groups.plain else None)
     if dry:
         return
     if not streamed:
         _publish(part, shard_in, follow=not load_master)    # module only: masters follow the weights
     else:
-        part._gather_after_step()       # published sub-group by sub-group in _fill_streamed
+        part.gather_after_step()       # published sub-group by sub-group in _fill_streamed
     part.zero_grad()
 
 
@@ -470,7 +470,7 @@ def _publish(part, shard_in=lambda u: nullcontext(), follow: bool = False) -> No
                     if follow:
                         u.master.copy_(u.shard)
                     u.shard.copy_(u.master)
-    part._gather_after_step()
+    part.gather_after_step()
 
 
 def _lp_value(states, name: str, pc: dict, prefer_master: bool) -> torch.Tensor:

@@ -11,13 +11,15 @@ reference model at stage 2 held 18 bytes per parameter there (bf16 parameters, f
 master, Adam's moments, fp32 gradients), its peak; with these, 16, and the step holds at
 most 2 bytes per parameter of gradients plus one slice of fp32 (``SLICES`` of the model).
 
-Only where it changes no value: the optimizer must divide by ``grad_scale`` inside its own
-pass (torch's fused kernels, cpu_adam), because the engine's alternative, multiplying the
+Only where it changes no value: the optimizer must apply the step's gradient multiplier
+inside its own pass (torch's fused kernels, cpu_adam), because the engine's alternative, multiplying the
 gradients in place before the step, would round them to the model dtype.
 """
 from __future__ import annotations
 
 import torch
+
+from zeroplug.tiers import step_all
 
 SLICES = 8      # the step widens about 1/SLICES of the gradients at a time
 
@@ -68,7 +70,7 @@ class LowPrecisionGrads:
         out[u.layout.total - u.lo:].zero_()
         return out
 
-    def step(self, optimizer) -> None:
+    def step(self, optimizer, grad_multiplier: float = 1.0) -> None:
         """Step the masters slice by slice; each slice's gradients are freed after its step.
 
         Note: the optimizer skips every master whose gradient is None, so each call steps
@@ -77,7 +79,7 @@ class LowPrecisionGrads:
             for u in units:
                 u.master.grad = self.widen(u)
                 self.grads[u.index] = [None] * len(u.params)
-            optimizer.step()
+            step_all(optimizer, grad_multiplier)
             for u in units:
                 u.master.grad = None
 

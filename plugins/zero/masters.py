@@ -15,42 +15,54 @@ accumulation window they persist.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def make_masters(part) -> None:
-    """Set ``part``'s masters: ``u.master`` per unit, ``_master_list`` (what the optimizer
-    steps), ``_master_group`` (their parameter groups), ``sub_group_ranges`` and, offloaded,
-    ``part.offload``."""
+@dataclass
+class Masters:
+    """One rank's masters, as :func:`make_masters` laid them out (the partitioner keeps them)."""
+    tensors: list           # what the optimizer steps: one fp32 tensor per unit or sub-group
+    groups: list            # the parameter group of each
+    offloaded: bool         # the tier keeps them (``offload`` talks to it)
+    alias: bool             # fp32 model, states on the training device: the masters are the shards
+    lazy_grads: bool        # master gradients allocated in backward and freed after the step
+    flat: torch.Tensor | None = None        # the one buffer the unit masters are slices of
+    sub_group_ranges: list | None = None    # [start, end) of each tensor in the rank's numbering
+    offload: object | None = None           # the stage's side of the tier contract (offload.py)
+
+
+def make_masters(part) -> Masters:
+    """``part``'s masters: sets ``u.master`` of each unit and returns what the partitioner
+    keeps (see :class:`Masters`)."""
     tier = part.offload_optimizer
-    part.offloaded = tier.capabilities.offloaded
-    part.alias = part.pdtype == torch.float32 and not part.offloaded
-    part.master_flat = None
+    offloaded = tier.capabilities.offloaded
+    alias = part.pdtype == torch.float32 and not offloaded
     # master gradients allocated in backward and freed after the step (see the note above)
-    part.lazy_grads = not part.offloaded and (part.shard_grads or not part.alias)
-    if part.alias:
+    lazy_grads = not offloaded and (part.shard_grads or not alias)
+    if alias:
         for u in part.units:
             u.master = u.shard
             u.master.grad = u.grad_flat[u.lo:u.hi] if not part.shard_grads else None
-        part._master_list = [u.master for u in part.units]
-        part._master_group = [u.group for u in part.units]
-        return
-    if part.offloaded:
+        return Masters([u.master for u in part.units], [u.group for u in part.units], offloaded, alias, lazy_grads)
+    if offloaded:
         from .offload import Offloaded
-        part.offload = Offloaded(part, unit_groups(part))
-        return
+        offload = Offloaded(part, unit_groups(part))
+        return Masters(offload.masters, offload.groups, offloaded, alias, lazy_grads,
+                       sub_group_ranges=offload.sub_group_ranges, offload=offload)
     total = sum(u.hi - u.lo for u in part.units)
-    part.master_flat = torch.empty(total, dtype=torch.float32, device=part.device)
+    flat = torch.empty(total, dtype=torch.float32, device=part.device)
     off = 0
-    part.sub_group_ranges = []
+    ranges = []
     for u in part.units:
         n = u.hi - u.lo
-        u.master = part.master_flat[off:off + n]
+        u.master = flat[off:off + n]
         u.master.copy_(u.shard)
-        part.sub_group_ranges.append((off, off + n))
+        ranges.append((off, off + n))
         off += n
-    part._master_list = [u.master for u in part.units]
-    part._master_group = [u.group for u in part.units]
+    return Masters([u.master for u in part.units], [u.group for u in part.units], offloaded, alias, lazy_grads,
+                   flat=flat, sub_group_ranges=ranges)
 
 
 def unit_groups(part) -> list[list]:

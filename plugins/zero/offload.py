@@ -51,9 +51,9 @@ class Offloaded:
                 u.master = self.tier.unit_masters[u.index]
                 if u.hi > u.lo:     # an empty shard on this rank belongs to no sub-group
                     self.sub_group_of[u.index] = k
-        part._master_list = list(masters)
-        part.sub_group_ranges = [(sg.start, sg.end) for sg in sub_groups]
-        part._master_group = [sg.group for sg in sub_groups]
+        self.masters = list(masters)        # what the optimizer steps: one per sub-group
+        self.groups = [sg.group for sg in sub_groups]     # their parameter groups
+        self.sub_group_ranges = [(sg.start, sg.end) for sg in sub_groups]
 
     # -- backward ------------------------------------------------------------------------
     def grad_ready(self, u, src: torch.Tensor, first_micro: bool) -> None:
@@ -86,9 +86,9 @@ class Offloaded:
     def prepare(self, optimizer) -> None:
         self.tier.prepare(optimizer)
 
-    def step(self, optimizer) -> None:
+    def step(self, optimizer, grad_multiplier: float) -> None:
         self.waited.clear()
-        self.tier.step(optimizer)
+        self.tier.step(optimizer, grad_multiplier)
 
     def wait_unit(self, u) -> None:
         """Before ``u`` is gathered: its sub-group is stepped and published."""

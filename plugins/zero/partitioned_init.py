@@ -22,6 +22,7 @@ this rank's slice of the value, in the existing parameter.
 from __future__ import annotations
 
 import functools
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -39,6 +40,10 @@ _CONVERSIONS = {"to", "cuda", "cpu", "empty_like", "float", "half", "bfloat16", 
 # views handed out of a gathered copy: (group, copy, its version then); written back at the
 # next flush if the caller wrote through them
 _pending: list = []
+
+# the constructors PartitionedInit put in place of the classes' own (one wrapper per class,
+# however many contexts are entered)
+_WRAPPERS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class InitGroup:
@@ -101,6 +106,7 @@ def materialize(group: InitGroup) -> None:
 class ShardedParam(NoGatherRepr, torch.nn.Parameter):
     """A parameter built under ``zeroplug.init``: this rank's slice lives in its InitGroup."""
     _zp_where = "sharded by zeroplug.init"
+    _zp_group: InitGroup        # set on each parameter as it becomes one (see init_group)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -137,6 +143,11 @@ class ShardedParam(NoGatherRepr, torch.nn.Parameter):
             if torch.is_tensor(out):      # perhaps a view that the caller writes next
                 _pending.extend((g, w, w._version) for g, w, _ in wholes.values() if g.layout.world_size > 1)
             return out
+
+
+def init_group(p: torch.Tensor) -> InitGroup | None:
+    """The InitGroup holding ``p``'s shard, if ``zeroplug.init`` built it and no engine took it yet."""
+    return p.__dict__.get("_zp_group")
 
 
 def _stand_in(p: ShardedParam) -> torch.Tensor:
@@ -211,7 +222,7 @@ class PartitionedInit:
 
     def _wrap(self, cls: type) -> None:
         orig = cls.__dict__.get("__init__")
-        if orig is None or getattr(orig, "_zp_wrapped", False):
+        if orig is None or orig in _WRAPPERS:
             return
         ctx = self
 
@@ -225,7 +236,7 @@ class PartitionedInit:
                 object.__setattr__(module, "_zp_init_depth", depth)
             if depth == 0:
                 ctx._partition(module)
-        __init__._zp_wrapped = True
+        _WRAPPERS.add(__init__)
         cls.__init__ = __init__
         self._patched.append((cls, orig))
 

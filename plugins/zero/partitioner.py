@@ -23,9 +23,10 @@ from .groups import reduce_gradients, shard_mesh
 from .lp_grads import LowPrecisionGrads
 from zeroplug.param_groups import ParamGroups
 from zeroplug.slots import Partitioner, takes_grad_scale
-from zeroplug.tiers import all_exported
+from zeroplug.tiers import all_exported, step_all
 
 from .masters import make_masters
+from .partitioned_init import init_group
 from .options import ZeroOptions, bucket_elements, hidden_size
 from .unit import Unit
 
@@ -93,9 +94,12 @@ class FlatPartitioner(Partitioner):
         # no bucket (4 bytes per element of the unit) ever exists.
         self._direct_grads = (self.shard_grads and run.world_size == 1
                               and not offload_optimizer.capabilities.offloaded)
-        self.offload = None             # the offloaded states (offload.py), when the tier offloads
         self.lp_grads = None            # direct gradients kept in the model dtype (lp_grads.py)
-        make_masters(self)
+        m = make_masters(self)          # (masters.py)
+        self.offloaded, self.alias, self.lazy_grads = m.offloaded, m.alias, m.lazy_grads
+        self.master_flat, self.sub_group_ranges = m.flat, m.sub_group_ranges
+        self.offload = m.offload        # the offloaded states (offload.py), when the tier offloads
+        self._master_list, self._master_group = m.tensors, m.groups
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
 
@@ -109,7 +113,7 @@ class FlatPartitioner(Partitioner):
 
     def _prepare_module(self, module):
         for name, p in module.named_parameters():
-            _check_materialized(name, p)
+            check_materialized(name, p)
             # Note: integer parameters keep their dtype and bits; frozen floating-point ones
             # take the model dtype like every other weight the forward reads.
             p.data = p.data.to(self.device, self.pdtype) if p.is_floating_point() else p.data.to(self.device)
@@ -367,28 +371,30 @@ class FlatPartitioner(Partitioner):
         # master gradient would be an exact widening of autograd's model-dtype gradient, so
         # those are kept instead (2 bytes per parameter less at the end of backward, the
         # stage's peak) and widened slice by slice in the step. Only with an optimizer that
-        # divides by grad_scale itself: an in-place multiply would round them.
+        # applies the step's multiplier itself: an in-place multiply would round them.
         if (self._direct_grads and self.pdtype != torch.float32 and takes_grad_scale(optimizer)
                 and self.run.config.batch.gradient_accumulation_steps == 1):
             self.lp_grads = LowPrecisionGrads(self.units)
 
-    def step_optimizer(self, optimizer) -> None:
+    def step_optimizer(self, optimizer, grad_multiplier: float = 1.0) -> None:
         """Step the masters and publish them as model parameters."""
         self.release_all()
         if self.offload is not None:
-            self.offload.step(optimizer)
+            self.offload.step(optimizer, grad_multiplier)
         else:
             if self.lp_grads is not None:
-                self.lp_grads.step(optimizer)
+                self.lp_grads.step(optimizer, grad_multiplier)
             else:
-                optimizer.step()
+                step_all(optimizer, grad_multiplier)
             if not self.alias:
                 for u in self.units:
                     if u.lp_source is None:     # (else gathered from the master on use)
                         u.shard.copy_(u.master, non_blocking=True)
-        self._gather_after_step()
+        self.gather_after_step()
 
-    def _gather_after_step(self) -> None:
+    def gather_after_step(self) -> None:
+        """All-gather the shards the step wrote into every rank's whole parameters (stages 1-2;
+        later, in ``wait_optimizer``, while a tier's step is still writing them)."""
         if self.layout_world == 1:
             return
         if self.offload is not None and self.offload.pending:
@@ -416,7 +422,7 @@ class FlatPartitioner(Partitioner):
                 self.offload.discard()
             self.offload.wait_all()
             if self._gather_late:
-                self._gather_after_step()
+                self.gather_after_step()
 
     # -- views -------------------------------------------------------------------------
     def gathered_params(self, params=None, modifier_rank=None, check_writes: bool = False):
@@ -431,15 +437,20 @@ class FlatPartitioner(Partitioner):
                 return None
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
+    def writes_states(self) -> bool:
+        """Stage 0's replicated states by rank 0; sharded ones by the ranks whose rank in their
+        shard group (zero.shard_group_size) is their own."""
+        return self.layout_rank == self.run.rank
+
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors behind each memory category (zeroplug.observe.memory.memory_report)."""
         from .accounting import memory_tensors
-        return memory_tensors(self)
+        return memory_tensors(self, self._master_list, [out for _, _, out in self._pending])
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         from .accounting import state_tensors
         self.wait_optimizer()
-        return state_tensors(self)
+        return state_tensors(self, self._master_list)
 
     def checkpoint_state(self, optimizer=None, parts=None) -> dict:
         """This rank's world-size-independent checkpoint part (see checkpointing.py).
@@ -470,18 +481,14 @@ class FlatPartitioner(Partitioner):
         return import_state(self, states, optimizer, **flags)
 
     @classmethod
-    def construction_context(cls, options, run, precision):
-        from contextlib import nullcontext
-        return nullcontext()
-
-    @classmethod
     def check_config(cls, config, choice) -> None:
         from .options import check_stage_config
         check_stage_config(cls, config, choice)
 
 
-def _check_materialized(name: str, p: torch.Tensor) -> None:
-    if p.is_meta and getattr(p, "_zp_group", None) is None:
+def check_materialized(name: str, p: torch.Tensor) -> None:
+    """Refuse a parameter without values (on the meta device, not built by zeroplug.init)."""
+    if p.is_meta and init_group(p) is None:
         raise StateError(f"parameter {name!r} is on the meta device (it has no values): materialize the "
                          "model before zeroplug.initialize (model.to_empty(device=...) and initialize or "
                          "load the weights), or build it inside zeroplug.init")

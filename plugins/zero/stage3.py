@@ -23,11 +23,11 @@ from zeroplug.flat import alloc_storage, free_storage
 from zeroplug.tiers import Layout, UnitShard
 
 from .flat_layout import FlatLayout
-from .partitioned_init import PartitionedInit, flush_pending, materialize
+from .partitioned_init import PartitionedInit, flush_pending, init_group, materialize
 from .leaves import find_leaves, owners, reachable_params
 from .options import hidden_size
 from .groups import shard_mesh
-from .partitioner import Stage2, _check_materialized
+from .partitioner import Stage2, check_materialized
 from .unit import FREE, INFLIGHT, READY, Unit
 
 
@@ -136,7 +136,7 @@ class Stage3(Stage2):
     # -- building units from (possibly pre-partitioned) parameters -------------------
     def _prepare_module(self, module):
         for name, p in module.named_parameters():
-            _check_materialized(name, p)
+            check_materialized(name, p)
             if not p.is_floating_point():      # integer parameters: whole on every rank, as they are
                 p.data = p.data.to(self.device)
         for b in module.buffers():
@@ -153,7 +153,7 @@ class Stage3(Stage2):
             for p in params:
                 if p is None or id(p) in assigned or not p.is_floating_point():
                     continue
-                g = getattr(p, "_zp_group", None)
+                g = init_group(p)
                 if g is not None and m not in self.leaves and self._usable(g, in_model):
                     groups.append(g.params)
                     assigned.update(id(q) for q in g.params)
@@ -173,7 +173,7 @@ class Stage3(Stage2):
 
     def _make_unit(self, index, params) -> Unit:
         world, rank = self.layout_world, self.layout_rank
-        group = getattr(params[0], "_zp_group", None)
+        group = init_group(params[0])
         # one rank keeps a unit whole (no gathers) unless it is gathered from its master
         whole = world == 1 and not self.params_offloaded and not (self.lp_from_master and params[0].requires_grad)
         if group is not None:
@@ -213,8 +213,7 @@ class Stage3(Stage2):
             unit.start_gather(self.shard_comm, self.upload)
             unit.wait_gather()
         if not unit.persistent:
-            for p in params:
-                p._zp_fetch = eager(lambda u=unit: self._fetch(u))     # a read outside a module's forward
+            unit.fetch_on_read(eager(lambda u=unit: self._fetch(u)))     # a read outside a module's forward
         return unit
 
     # -- forward / backward hooks -----------------------------------------------------
@@ -234,7 +233,7 @@ class Stage3(Stage2):
     def _release(self, u: Unit) -> None:
         u.release()
         if self.params_offloaded and u.state == FREE:
-            self.offload_param.evict(u.index, getattr(u, "upload_event", None))
+            self.offload_param.evict(u.index, u.upload_event)
 
     def _fetch(self, u: Unit) -> None:
         if u.index in self._stale:
@@ -418,7 +417,7 @@ class Stage3(Stage2):
         for i in sorted(self._stale):
             self._refill(self.all_units[i])
 
-    def _gather_after_step(self) -> None:
+    def gather_after_step(self) -> None:
         """Only persistent units are kept whole; the others are gathered at their next use."""
         if self.offload is not None and self.offload.pending:
             self._stale.update(u.index for u in self.units if u.persistent)   # refilled on use

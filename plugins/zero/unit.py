@@ -13,6 +13,8 @@ parameters gathered before that module runs). Every unit owns:
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -63,6 +65,7 @@ class ReleasedParam(NoGatherRepr, torch.nn.Parameter):
     gradient is reduced (or the next forward). Every rank runs the same code, so the
     gathers pair up. While a unit is gathered its parameters are plain ``nn.Parameter``
     objects: modules' forwards pay nothing for this."""
+    _zp_fetch: Callable[[], None]       # gathers its unit (Unit.fetch_on_read)
 
     def __repr__(self):
         return (f"Parameter(shape={tuple(self.shape)}, dtype={self.dtype}; ZeRO stage 3 shard, "
@@ -125,6 +128,7 @@ class Unit:
         # stage 3 gathering
         self.state = READY
         self.gather_handle = None
+        self.upload_event = None        # the CUDA event of the last upload of an offloaded shard
         self.persistent = not sharded_params
 
     @property
@@ -139,6 +143,12 @@ class Unit:
             p.data = v
         if freed:
             free_storage(self.full)
+
+    def fetch_on_read(self, fetch: Callable[[], None]) -> None:
+        """``fetch()`` gathers this unit when a parameter of it is read while it is released
+        (:class:`ReleasedParam`)."""
+        for p in self.params:
+            p._zp_fetch = fetch
 
     # -- stage 3: gather / release ------------------------------------------------
     def start_gather(self, comm, upload=None) -> None:

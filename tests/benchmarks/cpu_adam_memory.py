@@ -68,7 +68,7 @@ def run(cpu_adam, n, piece, sub_group, kind, gdt, repeats):
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         for t, g, pieces in groups:
-            opt.step_param(t, grad=g, lp_out=pieces, grad_scale=0.5)
+            opt.step_param(t, grad=g, lp_out=pieces, grad_multiplier=0.5)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times[1:])
     print(f"{kind:>10}  grad={str(gdt).split('.')[1]:>8}  {n / med / 1e6:8.0f} Mparams/s  "

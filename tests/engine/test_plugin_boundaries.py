@@ -167,3 +167,88 @@ def test_only_core_and_plugins_are_remapped():
             found.add(".".join((prefix, *rel)))
     assert listed == found, f"pyproject's packages differ from the tree: missing {sorted(found - listed)}, " \
                             f"extra {sorted(listed - found)}"
+
+
+# -- private names stay in their module ------------------------------------------------------
+
+SOURCES = sorted(list((ROOT / "core").rglob("*.py")) + list((ROOT / "plugins").rglob("*.py")))
+
+#: (file, name): a private name of another package that a module takes, and why it must
+PRIVATE_IMPORTS_ALLOWED = {
+    # Lightning builds a strategy's optimizers and forwards only through these (no public API)
+    ("core/integrations/lightning.py", "_init_optimizers_and_lr_schedulers"),
+    ("core/integrations/lightning.py", "_MockOptimizer"),
+    ("core/integrations/lightning.py", "_ForwardRedirection"),
+}
+#: (file, attribute): a write to another object's private attribute, and why it must
+PRIVATE_WRITES_ALLOWED = {
+    # torch's LR schedulers warn when their optimizer's step() never ran: the engine stepped
+    # instead, and torch reads only this attribute (no public way to say so)
+    ("core/integrations/lightning.py", "_opt_called"),
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_names(tree) -> set[str]:
+    """Private attributes a class of this module declares (annotated or assigned in its body):
+    the module owns them, also on objects that are not ``self`` (a parameter it tags)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+                    [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+                out.update(t.id for t in targets if isinstance(t, ast.Name))
+    return out
+
+
+def private_name_uses() -> tuple[list[str], list[str]]:
+    """(imports of another module's private names, writes to another object's private attributes)."""
+    imports, writes = [], []
+    for path in SOURCES:
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text())
+        ours = set()       # names bound to zeroplug modules (their ``_x`` are private to them)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    if node.module != "__future__" and _private(a.name) and (rel, a.name) not in PRIVATE_IMPORTS_ALLOWED:
+                        imports.append(f"{rel}:{node.lineno} from {'.' * node.level}{node.module or ''} import {a.name}")
+                    if node.level or (node.module or "").startswith("zeroplug"):
+                        ours.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                ours.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("zeroplug"))
+        own = _own_names(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in ours):
+                imports.append(f"{rel}:{node.lineno} {node.value.id}.{node.attr}")
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+                if (isinstance(t, ast.Attribute) and _private(t.attr) and t.attr not in own
+                        and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))
+                        and (rel, t.attr) not in PRIVATE_WRITES_ALLOWED):
+                    writes.append(f"{rel}:{node.lineno} {ast.unparse(t)} =")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[1].value, str) and _private(node.args[1].value)
+                    and node.args[1].value not in own):
+                writes.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    return imports, writes
+
+
+def test_no_module_imports_another_modules_private_names():
+    imports, _ = private_name_uses()
+    assert len(SOURCES) > 100 and not imports, imports
+
+
+def test_no_module_writes_another_objects_private_attributes():
+    """State shared between parts has one owner with a public method for it; a module writes
+    ``_x`` only on ``self`` / ``cls``, or where a class of its own declares ``_x`` (a tag it puts
+    on a torch parameter, say)."""
+    _, writes = private_name_uses()
+    assert not writes, writes

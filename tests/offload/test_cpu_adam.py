@@ -155,28 +155,33 @@ def test_grad_scale(impl):
     for s in (0.25, 0.5, 3.0):
         a.grad = g * s
         ref.step()
-        opt.step_param(b, g, grad_scale=s)
+        opt.step_param(b, g, grad_multiplier=s)
     assert torch.equal(g, g_before)
     _close(b.detach(), a.detach())
     _close(opt.state[b]["exp_avg_sq"], ref.state[a]["exp_avg_sq"])
 
 
-def test_grad_scale_attribute_divides_like_torch_fused(impl):
-    """``opt.grad_scale`` (set around ``step()``) divides gradients, as for torch's fused AdamW."""
+def test_step_group_multiplier_equals_torch_fused_grad_scale(impl):
+    """``step_group(k, grad_multiplier=m)`` computes what torch's fused AdamW computes with
+    its own ``grad_scale`` of 1 / m (the engine's multiplier, :func:`zeroplug.tiers.fp32_multiplier`),
+    and cpu_adam has no ``grad_scale`` attribute of its own: the multiplier is an argument."""
+    from zeroplug.tiers import SubGroupOptimizer, fp32_multiplier, step_group
     n = SIZES[impl][-1]
     (init,) = _params([n])
     a = torch.nn.Parameter(init.clone())
     b = torch.nn.Parameter(init.clone())
-    ref = torch.optim.AdamW([a], lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW([a], lr=1e-2, weight_decay=0.1, fused=True)
     opt = CPUAdam([b], lr=1e-2, weight_decay=0.1, impl=impl)
-    for i, s in enumerate((4.0, 0.5, 1.0)):
+    assert isinstance(opt, SubGroupOptimizer) and not isinstance(ref, SubGroupOptimizer)
+    for i, factor in enumerate((0.25, 2.0, 1.0)):
         g = torch.randn(n, generator=torch.Generator().manual_seed(i))
-        a.grad, b.grad = g / s, g.clone()
-        ref.step()
-        opt.grad_scale = torch.tensor(s)
-        opt.step()
-        opt.grad_scale = None
+        a.grad, b.grad = g.clone(), g.clone()
+        m = fp32_multiplier(factor)
+        step_group(ref, 0, grad_multiplier=m)       # torch: its grad_scale, set around its step
+        assert getattr(ref, "grad_scale", None) is None
+        step_group(opt, 0, grad_multiplier=m)
     assert torch.equal(b.grad, g)            # the gradient itself is not touched
+    assert not hasattr(opt, "grad_scale")
     _close(b.detach(), a.detach())
     _close(opt.state[b]["exp_avg_sq"], ref.state[a]["exp_avg_sq"])
 
@@ -194,8 +199,8 @@ def test_lp_out_pieces_equal_one_buffer(impl, lp_dtype):
     pieces = [store[x + 2:y + 2] for x, y in zip(cuts, cuts[1:])]
     for i in range(3):
         g = torch.randn(n, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-        oa.step_param(a, g, lp_out=one, grad_scale=0.5)
-        ob.step_param(b, g, lp_out=pieces, grad_scale=0.5)
+        oa.step_param(a, g, lp_out=one, grad_multiplier=0.5)
+        ob.step_param(b, g, lp_out=pieces, grad_multiplier=0.5)
     assert torch.equal(a.detach(), b.detach())
     assert torch.equal(torch.cat(pieces), one)
     assert torch.equal(one, b.detach().to(lp_dtype))             # the rounding of the fp32 parameter
@@ -219,7 +224,7 @@ def test_eager_chunk_boundaries(monkeypatch):
         for x, y, lp in zip(a, b, lps):
             g = torch.randn(x.shape).to(torch.float16)
             x.grad = g.float() * 2.0
-            opt.step_param(y, g, lp_out=lp, grad_scale=2.0)
+            opt.step_param(y, g, lp_out=lp, grad_multiplier=2.0)
         ref.step()
     for x, y, lp in zip(a, b, lps):
         _close(y.detach(), x.detach())
@@ -407,8 +412,8 @@ def test_threads_gives_the_same_values(impl):
     la, lb = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     for i in range(3):
         g = torch.randn(n, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-        oa.step_param(a, g, lp_out=la, grad_scale=0.5)
-        ob.step_param(b, g, lp_out=lb, grad_scale=0.5, threads=1)
+        oa.step_param(a, g, lp_out=la, grad_multiplier=0.5)
+        ob.step_param(b, g, lp_out=lb, grad_multiplier=0.5, threads=1)
     assert torch.equal(a.detach(), b.detach()) and torch.equal(la, lb)
     assert torch.equal(oa.state[a]["exp_avg_sq"], ob.state[b]["exp_avg_sq"])
     if impl == "compile":       # a separate kernel with a fixed team size was built

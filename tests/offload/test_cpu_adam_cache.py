@@ -38,7 +38,7 @@ w = WarmUp(opt, keys, (1,), announce=False).start()
 w.wait()
 compiled = sum(counters["inductor"].values())
 lp = torch.empty(n, dtype=torch.bfloat16)
-opt.step_param(p, torch.ones(n, dtype=torch.bfloat16), lp_out=lp, grad_scale=0.5)
+opt.step_param(p, torch.ones(n, dtype=torch.bfloat16), lp_out=lp, grad_multiplier=0.5)
 print(json.dumps({**{k: v for k, v in w.stats.items() if k != "result"}, "error": w.error,
                   "result": list(w.stats.get("result", {}).values()),
                   "step_compiled": sum(counters["inductor"].values()) - compiled, "isa_checks": len(checks),

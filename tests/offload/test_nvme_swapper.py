@@ -125,12 +125,12 @@ def test_same_key_in_order_and_concurrent_threads(tmp_path):
 
 def test_buffer_reuse_two_buffers_many_transfers(tmp_path, monkeypatch):
     used = []
-    real = swmod._copy_in
+    real = swmod.copy_in
 
     def spy(buf, src, off, n, padded):
         used.append(buf.untyped_storage().data_ptr())
         real(buf, src, off, n, padded)
-    monkeypatch.setattr(swmod, "_copy_in", spy)
+    monkeypatch.setattr(swmod, "copy_in", spy)
     with small(tmp_path, buffer_count=2, buffer_size=32 * KiB) as sw:
         ts = [torch.randn(20_000 + 1000 * i) for i in range(12)]   # 12 transfers, 2 buffers
         outs = round_trip(sw, ts)
@@ -239,8 +239,8 @@ def test_forked_child_keeps_parents_files(tmp_path):
         pid = os.fork()
         if pid == 0:                           # the child "exits": its cleanup must not touch ours
             try:
-                swmod._atexit()
-                swmod._cleanup_all(fast=True)
+                swmod.at_exit()
+                swmod.cleanup_all(fast=True)
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)
@@ -303,7 +303,7 @@ def test_removal_racing_a_writer_leaves_nothing(tmp_path):
     """A transfer still creating files while the directory is removed (the SIGTERM path
     cannot wait for them) must not leave a directory behind, least of all one whose lock
     file is already gone (no later run could tell it from a live one's)."""
-    run = swdir._make_run_dir(str(tmp_path))
+    run = swdir.make_run_dir(str(tmp_path))
     d, lock = run.path, run.lock
     stop, created = threading.Event(), []
 
@@ -481,7 +481,7 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
                 real = sw._pwritev
 
                 async def einval_when_direct(fd, *a, **k):
-                    if swmod._has_direct(fd):
+                    if swmod.has_direct(fd):
                         raise OSError(errno.EINVAL, "Invalid argument")
                     return await real(fd, *a, **k)
                 sw._pwritev = einval_when_direct

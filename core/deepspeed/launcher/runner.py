@@ -117,7 +117,7 @@ def _local_devices() -> int:
     try:
         import torch
         return torch.cuda.device_count()
-    except Exception:       # noqa: BLE001 - no torch / no driver: no GPUs
+    except (ImportError, RuntimeError, OSError):    # no torch / no driver: no GPUs
         return 0
 
 
