@@ -35,8 +35,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import cpu_adam_kernels as _kernels
-from .cpu_adam_kernels import _eager_update, _scalars, compile_status
+from . import cpu_adam_kernels as kernels
+from .cpu_adam_kernels import compile_status, eager_update, scalars
 
 __all__ = ["CPUAdam", "compile_status"]
 
@@ -168,7 +168,7 @@ class CPUAdam(torch.optim.Optimizer):
         if adamw_mode is None:
             adamw_mode = bool(self.param_groups[0]["adamw_mode"])
         key = (adamw_mode, grad_dtype, lp_dtype)
-        fn = _kernels._COMPILED.get(key, strict=self.impl == "compile", threads=self.threads)
+        fn = kernels.COMPILED.get(key, strict=self.impl == "compile", threads=self.threads)
         return "compile" if fn is not None else "eager"
 
     def kernel_variants(self, grad_dtypes, lp_dtype) -> list[tuple]:
@@ -191,7 +191,7 @@ class CPUAdam(torch.optim.Optimizer):
         out = {}
         for key in keys:
             for t in thread_counts:
-                fn = _kernels._COMPILED.get(key, strict=self.impl == "compile", threads=t or self.threads)
+                fn = kernels.COMPILED.get(key, strict=self.impl == "compile", threads=t or self.threads)
                 out[key] = "compile" if fn is not None else "eager"
         return out
 
@@ -276,7 +276,7 @@ class CPUAdam(torch.optim.Optimizer):
         if self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
             key = (bool(group["adamw_mode"]), grad.dtype,
                    lp_out.dtype if lp_out is not None else None)
-            fn = _kernels._COMPILED.get(key, strict=self.impl == "compile", threads=threads)
+            fn = kernels.COMPILED.get(key, strict=self.impl == "compile", threads=threads)
         state = self._init_state(p)
         step_t = state["step"]
         step_t += 1
@@ -321,7 +321,7 @@ class CPUAdam(torch.optim.Optimizer):
     def _kernel(self, fn, pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale) -> None:
         """The update of flat contiguous views: compiled ``fn`` or, failing that, eager."""
         if fn is not None:
-            sc = _scalars(hp, float(step_t.item()), bias_correction, grad_scale)
+            sc = scalars(hp, float(step_t.item()), bias_correction, grad_scale)
             try:
                 if lpf is not None:
                     fn(pf, gf, mf, vf, lpf, sc)
@@ -331,8 +331,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if self.impl == "compile":
                     raise
                 key = (hp["adamw"], gf.dtype, lpf.dtype if lpf is not None else None)
-                _kernels._COMPILED.ok[key] = False
-                _kernels._COMPILED.errors[key] = f"{type(e).__name__}: {e}"[:2000]
+                kernels.COMPILED.failed(key, e)
                 warnings.warn(f"cpu_adam: compiled kernel failed ({e!r:.300}); using eager",
                               RuntimeWarning, stacklevel=3)
                 fn = None
@@ -340,7 +339,7 @@ class CPUAdam(torch.optim.Optimizer):
             scratch = getattr(self._tls, "scratch", None)
             if scratch is None:
                 scratch = self._tls.scratch = {}
-            _eager_update(pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale, scratch)
+            eager_update(pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale, scratch)
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -109,7 +109,7 @@ def _compile(adamw: bool, has_lp: bool, threads: int | None) -> Callable:
     return torch.compile(_KERNELS[(adamw, has_lp)], dynamic=True, fullgraph=True, options=options)
 
 
-class _Compiled:
+class CompiledKernels:
     """Process-wide lazily compiled kernels.
 
     One ``torch.compile`` d function per (adamw, has lp, threads); each (adamw, grad dtype,
@@ -133,6 +133,12 @@ class _Compiled:
         # while a first build runs: steps take the eager kernel instead of waiting (cpu_adam's
         # ``while_building``)
         self.eager_while_warming = False
+
+    def failed(self, key: tuple, exc: BaseException) -> None:
+        """Variant ``key`` failed in a step (a recompilation, say): later steps take the eager
+        kernel, and :func:`compile_status` says why."""
+        self.ok[key] = False
+        self.errors[key] = f"{type(exc).__name__}: {exc}"[:2000]
 
     def building(self) -> bool:
         """Whether a background warm-up (on another thread) is still running."""
@@ -198,7 +204,7 @@ class _Compiled:
                     warnings.warn(f"cpu_adam: {e}: using the eager kernel", RuntimeWarning, stacklevel=4)
                 return
             warnings.warn(
-                f"cpu_adam: torch.compile kernel unavailable for {_key_str(key)}, "
+                f"cpu_adam: torch.compile kernel unavailable for {key_str(key)}, "
                 f"using the eager path ({msg[:300]})",
                 RuntimeWarning,
                 stacklevel=4,
@@ -286,7 +292,7 @@ def compiler_missing() -> str | None:
 def _timed_probe(fn: Callable, key: tuple, threads: int | None, check_speed: bool) -> dict:
     """_probe with progress lines: a cold compile takes up to a minute (inductor's cache
     makes later runs on the machine fast)."""
-    what = _key_str(key) + (f" threads={threads}" if threads else "")
+    what = key_str(key) + (f" threads={threads}" if threads else "")
     log.info("[zeroplug] cpu_adam: compiling the %s kernel (once per machine, up to a minute)", what)
     t0 = time.perf_counter()
     out = _probe(fn, key[0], key[1], key[2], check_speed=check_speed)
@@ -294,19 +300,19 @@ def _timed_probe(fn: Callable, key: tuple, threads: int | None, check_speed: boo
     return out
 
 
-def _key_str(key: tuple) -> str:
+def key_str(key: tuple) -> str:
     return f"{'adamw' if key[0] else 'adam'} grad={key[1]} lp={key[2]}"
 
 
-_COMPILED = _Compiled()
+COMPILED = CompiledKernels()
 
 
 def compile_status() -> dict[str, Any]:
     """Which compiled variants were built or failed (and why): for reports and tests."""
     return {
-        "ok": [_key_str(k) for k, v in _COMPILED.ok.items() if v],
-        "probe_seconds": {_key_str(k): v for k, v in _COMPILED.speed.items() if v},
-        "failed": {_key_str(k): _COMPILED.errors.get(k, "") for k, v in _COMPILED.ok.items()
+        "ok": [key_str(k) for k, v in COMPILED.ok.items() if v],
+        "probe_seconds": {key_str(k): v for k, v in COMPILED.speed.items() if v},
+        "failed": {key_str(k): COMPILED.errors.get(k, "") for k, v in COMPILED.ok.items()
                    if not v},
     }
 
@@ -334,12 +340,12 @@ def _probe(fn: Callable, adamw: bool, gdt: torch.dtype, lpdt: torch.dtype | None
     ref_lp = torch.empty_like(lp) if lp is not None else None
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
     step = torch.tensor(3.0)
-    sc = _scalars(hp, 3.0, True, 0.5)
+    sc = scalars(hp, 3.0, True, 0.5)
     args = (p, g, m, v, lp, sc) if lpdt is not None else (p, g, m, v, sc)
     scratch: dict = {}
 
     def eager():
-        _eager_update(ref[0], g, ref[1], ref[2], ref_lp, step, hp, True, 0.5, scratch)
+        eager_update(ref[0], g, ref[1], ref[2], ref_lp, step, hp, True, 0.5, scratch)
 
     with torch.no_grad():
         fn(*args)
@@ -368,7 +374,9 @@ def _probe(fn: Callable, adamw: bool, gdt: torch.dtype, lpdt: torch.dtype | None
     return speed
 
 
-def _scalars(hp: dict, step: float, bias_correction: bool, grad_scale: float) -> torch.Tensor:
+def scalars(hp: dict, step: float, bias_correction: bool, grad_scale: float) -> torch.Tensor:
+    """The compiled kernel's scalar arguments for one step (``sc`` above); ``grad_scale`` is
+    the gradient multiplier."""
     lr, b1, b2, wd, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"]
     if bias_correction:
         bc1 = 1.0 - b1**step
@@ -380,8 +388,9 @@ def _scalars(hp: dict, step: float, bias_correction: bool, grad_scale: float) ->
     return torch.tensor(vals, dtype=torch.float32)
 
 
-def _eager_update(p, g, m, v, lp, step_t, hp, bias_correction, grad_scale, scratch) -> None:
-    """ATen fused kernel; chunked through L2 when g needs converting or lp is written."""
+def eager_update(p, g, m, v, lp, step_t, hp, bias_correction, grad_scale, scratch) -> None:
+    """The step of flat views through ATen's fused kernel (``grad_scale``: the gradient
+    multiplier); chunked through L2 when g needs converting or lp is written."""
     fused = torch._fused_adamw_ if hp["adamw"] else torch._fused_adam_
     if not bias_correction:
         step_t = torch.tensor(_NO_BIAS_CORRECTION_STEP)

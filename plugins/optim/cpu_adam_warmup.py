@@ -204,21 +204,21 @@ class WarmUp:
         """The variants to build (``keys`` x ``thread_counts``) for ``optimizer``."""
         self.optimizer, self.keys, self.thread_counts = optimizer, list(keys), tuple(thread_counts)
         if self.keys:
-            kernels._COMPILED.warming = self.done      # a step waits for these, never builds beside them
+            kernels.COMPILED.warming = self.done      # a step waits for these, never builds beside them
             if self.eager_while_building and self._located.wait(60) and not self.cached():
                 self.child = _build_in_child(self.keys, self.thread_counts, self.cache_dir)
-                kernels._COMPILED.eager_while_warming = self.child is not None
+                kernels.COMPILED.eager_while_warming = self.child is not None
         self._named.set()
 
     def variants(self) -> list[str]:
-        return [f"{kernels._key_str(k)} threads={t}" for k in self.keys for t in self.thread_counts]
+        return [f"{kernels.key_str(k)} threads={t}" for k in self.keys for t in self.thread_counts]
 
     def cached(self) -> bool:
         """Whether this machine built every variant before (they load in seconds)."""
         return set(self.variants()) <= self.built_before
 
     def start(self) -> "WarmUp":
-        kernels._COMPILED.eager_while_warming = False
+        kernels.COMPILED.eager_while_warming = False
         # Note: imported here, on the caller's thread: building the optimizer imports it too
         # (torch.optim does, lazily), and two threads importing torch's compiler packages at
         # once can meet a partly initialised module.
@@ -275,7 +275,7 @@ class WarmUp:
 
     def _run(self) -> None:
         me = threading.get_ident()
-        kernels._COMPILED.warm_up_threads.add(me)
+        kernels.COMPILED.warm_up_threads.add(me)
         t0 = time.perf_counter()
         lock = None
         try:
@@ -333,7 +333,7 @@ class WarmUp:
         finally:
             if lock is not None:
                 lock.release()
-            kernels._COMPILED.warm_up_threads.discard(me)
+            kernels.COMPILED.warm_up_threads.discard(me)
             self.done.set()
             atexit.unregister(self._exit_hook)
 

@@ -34,7 +34,7 @@ def main() -> None:
     n = int(args.n)
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     lp = torch.empty(n, dtype=torch.bfloat16)
-    sc = kernels._scalars(dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, adamw=True),
+    sc = kernels.scalars(dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, adamw=True),
                           1.0, True, 0.5)
     for f in variants.values():
         f(p, g, m, v, lp, sc)

@@ -233,7 +233,7 @@ def test_eager_chunk_boundaries(monkeypatch):
 
 def test_compile_failure_falls_back(monkeypatch):
     """No C++ compiler / inductor error: warn, step through the eager path."""
-    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(ck, "COMPILED", ck.CompiledKernels())
 
     def broken(*a, **k):
         raise RuntimeError("no C++ compiler")
@@ -264,13 +264,13 @@ def test_slow_compiled_kernel_not_used(monkeypatch):
         CPUAdam([torch.zeros(1)], impl="compile").implementation(torch.float32, None, BIG)
     except RuntimeError as e:
         pytest.skip(f"torch.compile kernel unavailable: {e}")
-    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(ck, "COMPILED", ck.CompiledKernels())
     monkeypatch.setattr(ck, "_MAX_SLOWDOWN", 0.0)  # anything counts as too slow
     opt = CPUAdam([torch.zeros(1)])
     with pytest.warns(RuntimeWarning, match="slower than the eager path"):
         assert opt.implementation(torch.bfloat16, torch.bfloat16, BIG) == "eager"
     # a forced compile skips the speed check
-    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(ck, "COMPILED", ck.CompiledKernels())
     assert CPUAdam([torch.zeros(1)], impl="compile").implementation(
         torch.bfloat16, torch.bfloat16, BIG) == "compile"
 
@@ -417,4 +417,4 @@ def test_threads_gives_the_same_values(impl):
     assert torch.equal(a.detach(), b.detach()) and torch.equal(la, lb)
     assert torch.equal(oa.state[a]["exp_avg_sq"], ob.state[b]["exp_avg_sq"])
     if impl == "compile":       # a separate kernel with a fixed team size was built
-        assert any(k[2] == 1 for k in ck._COMPILED.fns)
+        assert any(k[2] == 1 for k in ck.COMPILED.fns)

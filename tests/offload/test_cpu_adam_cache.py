@@ -99,7 +99,7 @@ def test_cache_dir_names_torch_and_cpu(tmp_path):
 def test_missing_compiler_said_once_and_eager(monkeypatch, caplog):
     """No C++ compiler: one warning for the run, every variant steps eagerly (right values)."""
     from torch._inductor import config
-    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(ck, "COMPILED", ck.CompiledKernels())
     monkeypatch.setattr(config.cpp, "cxx", ("/nonexistent/zeroplug-test-g++",))
     assert "no C++ compiler" in ck.compiler_missing()
     a = torch.nn.Parameter(torch.randn(N))
@@ -143,15 +143,15 @@ def test_a_glitch_inside_the_compiler_search_is_not_a_missing_compiler(monkeypat
 def test_step_waits_for_the_warm_up(monkeypatch):
     """A step never builds the kernel beside the warm-up: it waits for it to finish."""
     import threading
-    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(ck, "COMPILED", ck.CompiledKernels())
     gate = threading.Event()
-    ck._COMPILED.warming = gate
+    ck.COMPILED.warming = gate
     p = torch.zeros(N)
     opt = CPUAdam([p], lr=1e-3, impl="eager")
     done = threading.Event()
-    t = threading.Thread(target=lambda: (ck._COMPILED.get((True, torch.bfloat16, torch.bfloat16), False, 1),
+    t = threading.Thread(target=lambda: (ck.COMPILED.get((True, torch.bfloat16, torch.bfloat16), False, 1),
                                          done.set()), daemon=True)
-    monkeypatch.setattr(ck._COMPILED, "_build", lambda key, strict, threads: ck._COMPILED.ok.__setitem__(key, False))
+    monkeypatch.setattr(ck.COMPILED, "_build", lambda key, strict, threads: ck.COMPILED.ok.__setitem__(key, False))
     t.start()
     assert not done.wait(0.3)           # blocked on the warm-up
     gate.set()
@@ -163,17 +163,17 @@ def test_eager_while_a_first_build_runs(monkeypatch):
     """``while_building = "eager"``: a step neither waits nor builds while the warm-up builds;
     once it is done, the compiled kernel is used."""
     import threading
-    monkeypatch.setattr(ck, "_COMPILED", ck._Compiled())
+    monkeypatch.setattr(ck, "COMPILED", ck.CompiledKernels())
     gate = threading.Event()
-    ck._COMPILED.warming = gate
-    ck._COMPILED.eager_while_warming = True
+    ck.COMPILED.warming = gate
+    ck.COMPILED.eager_while_warming = True
     built = []
-    monkeypatch.setattr(ck._COMPILED, "_build",
-                        lambda key, strict, threads: (built.append(key), ck._COMPILED.ok.__setitem__(key, False)))
+    monkeypatch.setattr(ck.COMPILED, "_build",
+                        lambda key, strict, threads: (built.append(key), ck.COMPILED.ok.__setitem__(key, False)))
     key = (True, torch.bfloat16, torch.bfloat16)
-    assert ck._COMPILED.get(key, False, 1) is None and built == []      # eager now, nothing built
+    assert ck.COMPILED.get(key, False, 1) is None and built == []      # eager now, nothing built
     gate.set()
-    ck._COMPILED.get(key, False, 1)
+    ck.COMPILED.get(key, False, 1)
     assert built == [key]           # the warm-up is over: the kernel is taken (here: built)
 
 
@@ -189,7 +189,7 @@ p = torch.zeros((1 << 17) + 7)
 opt = CPUAdam([p], lr=1e-3, threads=1)
 w.build(opt, opt.kernel_variants([torch.bfloat16], torch.bfloat16), (1,))
 w.finish()
-print(json.dumps({"done": w.done.is_set(), "eager": ck._COMPILED.eager_while_warming,
+print(json.dumps({"done": w.done.is_set(), "eager": ck.COMPILED.eager_while_warming,
                   "child": w.child is not None}))
 """     # (and exits at once: a child process, if any, builds on)
 
@@ -236,8 +236,8 @@ def test_engine_starts_the_warm_up_before_the_stage_allocates(monkeypatch):
         "zero": {"plugin": "stage2"}, "optimizer": {"plugin": "cpu_adam"},
         "offload": {"optimizer": {"plugin": "cpu"}}, "monitor": {"plugin": "none"}})
     assert order[:2] == ["warm-up", "plan"]
-    assert ck._COMPILED.warming is None or ck._COMPILED.warming.is_set()
-    assert not ck._COMPILED.eager_while_warming
+    assert ck.COMPILED.warming is None or ck.COMPILED.warming.is_set()
+    assert not ck.COMPILED.eager_while_warming
     engine.close()
 
 
