@@ -305,8 +305,8 @@ class _Translator:
                                  "cpu_offload_use_pin_memory", "mics_shard_size", "zero_hpz_partition_size"))
 
     def shard_group(self, path: str, z: dict, stage: int) -> None:
-        """MiCS's ``mics_shard_size`` and ZeRO++'s ``zero_hpz_partition_size``: both shard within
-        groups of ranks at stage 3; zeroplug's ``zero.shard_group_size`` is MiCS's layout."""
+        """MiCS's ``mics_shard_size`` (``zero.shard_group_size``) and ZeRO++'s
+        ``zero_hpz_partition_size`` (the same name): both group the ranks, at stage 3 only."""
         mics = self.value(f"{path}.mics_shard_size", z.get("mics_shard_size", -1))
         hpz = self.value(f"{path}.zero_hpz_partition_size", z.get("zero_hpz_partition_size", 1))
         for key, v, off in (("mics_shard_size", mics, -1), ("zero_hpz_partition_size", hpz, 1)):
@@ -320,18 +320,13 @@ class _Translator:
             self.note(f"{path}.{on[0][0]} = {on[0][1]} ignored at stage {stage}: it shards within groups at stage 3 "
                       "only (as DeepSpeed ignores it); zeroplug's zero.shard_group_size also groups stages 1-2")
             return
-        if len(on) == 2 and mics != hpz:
+        if len(on) == 2:
             raise ConfigError(f"DeepSpeed keys {path}.mics_shard_size = {mics} and {path}.zero_hpz_partition_size = "
-                              f"{hpz} name two group sizes; keep one", key=f"{path}.zero_hpz_partition_size")
-        key, size = on[-1]
-        if key == "zero_hpz_partition_size":
-            self.note(f"{path}.zero_hpz_partition_size = {size} read as zero.shard_group_size = {size} (HSDP): "
-                      f"parameters, gradients and optimizer states sharded within groups of {size} ranks and "
-                      "replicated across groups, the gradients all-reduced across groups once per step. The values "
-                      "trained are the same as DeepSpeed's hpZ and every all-gather stays in the group (hpZ keeps "
-                      "the forward's across all ranks); each rank holds world / group size times hpZ's share of "
-                      "the optimizer states, which hpZ shards across all ranks")
-        self.put("zero.shard_group_size", f"{path}.{key}", size)
+                              f"{hpz} both group the ranks (MiCS and ZeRO++ hpZ); keep one",
+                              key=f"{path}.zero_hpz_partition_size")
+        key, size = on[0]
+        target = "zero.shard_group_size" if key == "mics_shard_size" else "zero.zero_hpz_partition_size"
+        self.put(target, f"{path}.{key}", size)
 
     def device(self, path: str, table: dict) -> str:
         dev = self.value(f"{path}.device", table.get("device", "none")) if table else "none"

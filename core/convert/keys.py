@@ -241,11 +241,10 @@ RULES: dict[str, Rule] = {
                                                      "buffers need none", quiet=(False,)),
     "zero_optimization.compute_grad_norm": ignored("zeroplug always computes the gradient norm (its overflow "
                                                    "check needs it)", quiet=(True,)),
-    "zero_optimization.zero_hpz_partition_size": moved(
-        "zero.shard_group_size", "ZeRO++ hpZ (stage 3): a second copy of the parameters sharded within groups of this "
-        "size, so the backward's all-gathers stay in the group; zeroplug shards parameters, gradients and optimizer "
-        "states within the group (HSDP, printed as a note): the same values, every all-gather in the group, "
-        "optimizer states world / size times larger per rank. 1: off; below stage 3 ignored, as DeepSpeed does"),
+    "zero_optimization.zero_hpz_partition_size": same(
+        "zero.zero_hpz_partition_size", "ZeRO++ hpZ (stage 3): a second copy of the parameters sharded within "
+        "groups of this size, so the gathers after the first one of a step stay in the group; 1: off; below stage 3 "
+        "ignored, as DeepSpeed does"),
     "zero_optimization.zero_quantized_weights": ignored(
         "ZeRO++ quantized communication; zeroplug communicates in full precision (exact, more bytes)",
         quiet=(False,)),

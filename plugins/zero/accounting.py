@@ -12,7 +12,8 @@ def memory_tensors(part, masters: list, in_flight: list) -> dict[str, list[torch
     ``masters`` what the optimizer steps, ``in_flight`` the outputs of reductions in flight."""
     return {
         "lp_params": [u.full for u in part.all_units if u.persistent]
-        + [u.shard for u in part.all_units if u.sharded_params],
+        + [u.shard for u in part.all_units if u.sharded_params]
+        + [u.secondary.values for u in part.all_units if u.secondary is not None],      # hpZ
         "master": [] if part.alias else list(masters),
         "gradients": [u.grad_flat for u in part.units] + [u.master.grad for u in part.units]
         + [t.grad for t in masters]      # (offloaded: the tier's gradient buffers)

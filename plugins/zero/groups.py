@@ -51,16 +51,17 @@ _CACHE: list = []       # [(default process group, world, size, ShardMesh)]
 _STREAMS: dict = {}     # device -> the side stream that orders a cross-group reduction
 
 
-def shard_mesh(comm: Comm, size: int) -> ShardMesh:
+def shard_mesh(comm: Comm, size: int, key: str = "zero.shard_group_size") -> ShardMesh:
     """The shard and replica groups of ``comm`` (the world) for groups of ``size`` ranks
-    (0, or at least the world size: one group of every rank)."""
+    (0, or at least the world size: one group of every rank); ``key``: the option that asked."""
     world = comm.world_size
     if size == 0 or size >= world:
         return ShardMesh(comm, None)
     if world % size:
-        raise ConfigError(f"zero.shard_group_size = {size} does not divide the {world} ranks into groups; use a "
+        off = "0 for one group of every rank" if key == "zero.shard_group_size" else "1 (off)"
+        raise ConfigError(f"{key} = {size} does not divide the {world} ranks into groups; use a "
                           f"divisor of {world} (the ranks of one host, usually torchrun's --nproc-per-node), "
-                          "or 0 for one group of every rank", key="zero.shard_group_size")
+                          f"or {off}", key=key)
     default = dist.group.WORLD
     for pg, w, s, mesh in _CACHE:
         if pg is default and (w, s) == (world, size):

@@ -37,6 +37,13 @@ class ZeroOptions:
            "within a group, gradients are reduce-scattered within it and all-reduced across groups; "
            "set it to the GPUs per host (torchrun's --nproc-per-node) on several hosts. 0 = one group "
            "of every rank; it must divide the world size.", min=0)
+    zero_hpz_partition_size: int = opt(
+        1, "Stage 3: ZeRO++ hpZ (DeepSpeed's name and meaning): optimizer states, masters and gradients "
+           "stay sharded across every rank, and each group of this many consecutive ranks also keeps a "
+           "model-dtype copy of the parameters sharded among its ranks (1 / size of them per rank), filled "
+           "by the first all-gather after each step (across every rank): every later gather until the next "
+           "step (the backward's) stays within the group. 1 = off; it must divide the world size; not "
+           "with shard_group_size or offloading.", min=1)
     stage3_prefetch_bucket_size: int | Literal["auto"] = opt(
         AUTO, "Stage 3: elements gathered ahead of use, following the recorded order; "
               "\"auto\" = 0.9 x hidden_size^2.", min=0)
@@ -109,6 +116,9 @@ def check_stage_config(cls, config, choice) -> None:
         raise ConfigError(f"offload.param.plugin = \"{param}\" needs the optimizer offloaded too: add "
                           f"[offload.optimizer] plugin = \"{param}\" (the fp32 masters update the "
                           "offloaded shards)", key="offload.param.plugin")
+    if cls.stage < 3 and config.raw.get("zero", {}).get("zero_hpz_partition_size", 1) != 1:
+        logging.getLogger("zeroplug").warning(
+            "[zeroplug] zero.zero_hpz_partition_size applies to stage 3 only; %s ignores it", choice.name)
     if cls.stage == 0 and config.raw.get("zero", {}).get("shard_group_size"):
         logging.getLogger("zeroplug").warning(
             "[zeroplug] zero.shard_group_size applies to stages 1-3; stage0 shards nothing and ignores it")

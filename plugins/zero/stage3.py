@@ -27,6 +27,7 @@ from .partitioned_init import PartitionedInit, flush_pending, init_group, materi
 from .leaves import find_leaves, owners, reachable_params
 from .options import hidden_size
 from .groups import shard_mesh
+from .hpz import SecondaryShard, check_hpz
 from .partitioner import Stage2, check_materialized
 from .unit import FREE, INFLIGHT, READY, Unit
 
@@ -98,6 +99,7 @@ class Stage3(Stage2):
         # prefetched or kept gathered for reuse (the backward's casts cost less than holding the
         # forward's tail)
         self.cast_only = self.layout_world == 1 and self.lp_from_master
+        self._setup_hpz(offload_optimizer)
         self.trace_prev: list[int] = []
         self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
         self.trace_cur: list[int] = []
@@ -123,6 +125,19 @@ class Stage3(Stage2):
                 self._hooks.append(m.register_forward_hook(eager(self._post_forward)))
                 self._hooks.append(m.register_state_dict_pre_hook(self._state_dict_pre_hook))
         self._hooks.append(module.register_forward_hook(eager(self._end_forward)))
+
+    def _setup_hpz(self, offload_optimizer) -> None:
+        """ZeRO++ hpZ: a secondary shard per gathered unit within groups of ranks (hpz.py)."""
+        size = self.options.zero_hpz_partition_size
+        check_hpz(size, self.options, self.params_offloaded, offload_optimizer.capabilities.offloaded)
+        if size <= 1:
+            return
+        mesh = shard_mesh(self.run.comm, size, key="zero.zero_hpz_partition_size")
+        if mesh.replicate is None:
+            return      # one group of every rank: the gathers are the secondary's already
+        for u in self.all_units:
+            if not u.persistent:
+                u.secondary = SecondaryShard(mesh.shard, u.layout.padded, self.pdtype, self.device)
 
     def _state_dict_pre_hook(self, module, prefix, keep_vars) -> None:
         """``module.state_dict()`` would hand out sharded parameters (no values): refuse."""
@@ -418,7 +433,11 @@ class Stage3(Stage2):
             self._refill(self.all_units[i])
 
     def gather_after_step(self) -> None:
-        """Only persistent units are kept whole; the others are gathered at their next use."""
+        """Only persistent units are kept whole; the others are gathered at their next use
+        (an hpZ secondary shard is stale now: that gather goes across every rank)."""
+        for u in self.all_units:
+            if u.secondary is not None:
+                u.secondary.fresh = False
         if self.offload is not None and self.offload.pending:
             self._stale.update(u.index for u in self.units if u.persistent)   # refilled on use
             return

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroplug.flat import alloc_storage, free_storage
 from .flat_layout import FlatLayout
+from .hpz import SecondaryShard
 
 FREE, INFLIGHT, READY = "free", "inflight", "ready"
 
@@ -126,6 +127,7 @@ class Unit:
         self.expect: set[int] | None = None     # stage 3 leaf: ids of the parameters this backward reaches
         self.partial = False                    # ... and this backward waits for those only
         # stage 3 gathering
+        self.secondary: SecondaryShard | None = None    # ZeRO++ hpZ (hpz.py)
         self.state = READY
         self.gather_handle = None
         self.upload_event = None        # the CUDA event of the last upload of an offloaded shard
@@ -161,7 +163,11 @@ class Unit:
     def fill_full(self, comm, upload=None):
         """Gather every rank's shard into ``full``; a shard offloaded to host memory is
         uploaded first, on the ``upload`` stream when there is one; a unit without a
-        model-dtype shard gathers its master, cast (one rank: cast straight into ``full``)."""
+        model-dtype shard gathers its master, cast (one rank: cast straight into ``full``).
+        A unit with a current hpZ secondary shard gathers that, within its group."""
+        sec = self.secondary
+        if sec is not None and sec.fresh:
+            return sec.comm.all_gather(self.full, sec.values, async_op=True)
         if self.lp_source is not None:
             src = self.lp_source if comm.world_size == 1 else self.lp_source.to(self.full.dtype)
             return comm.all_gather(self.full, src, async_op=True)
@@ -189,6 +195,8 @@ class Unit:
             self.gather_handle.wait()
             self.gather_handle = None
             self.state = READY
+            if self.secondary is not None and not self.secondary.fresh:
+                self.secondary.keep(self.full)      # later gathers, until the next step: in the group
             for p in self.params:
                 p.__class__ = torch.nn.Parameter
 

@@ -55,6 +55,8 @@ def take_values(part, u, src: int) -> None:
     if part.comm.world_size > 1:
         part.comm.broadcast(u.full, src=src)
     full_part = u.full[u.lo:u.hi]
+    if u.secondary is not None:
+        u.secondary.fresh = False       # (an hpZ secondary shard holds the values before the write)
     shard_live = u.shard.untyped_storage().size() > 0 and u.lp_source is None
     if shard_live and u.shard.data_ptr() != full_part.data_ptr():
         if part.params_offloaded and u.index in part.param_tier_units \

@@ -34,6 +34,19 @@ CASES = {
     "stage3-fp32-offload-cpu-clip": (3, "fp32", CLIP, 1, False, {"offload": CPU}),
     "stage2-bf16-offload-cpu": (2, "bf16", 0.0, 1, False, {"offload": {"optimizer": {"plugin": "cpu"}}}),
 }
+# ZeRO++ hpZ (zero_hpz_partition_size = 2) on 4 ranks: states sharded 4 ways, a secondary
+# parameter shard in each group of 2 (stage3_max_reuse_distance = 0: the backward gathers again,
+# from the secondary shards)
+HPZ = {"zero": {"zero_hpz_partition_size": 2}}
+HPZ_CASES = {
+    "hpz-stage3-fp32": (3, "fp32", 0.0, 1, False, HPZ),
+    "hpz-stage3-fp32-no-reuse": (3, "fp32", 0.0, 1, False, {"zero": {**HPZ["zero"], "stage3_max_reuse_distance": 0}}),
+    "hpz-stage3-bf16-init-prefetch-no-reuse": (3, "bf16", 0.0, 1, True, {"zero": {
+        **HPZ["zero"], "stage3_prefetch_bucket_size": 100_000, "stage3_max_reuse_distance": 0}}),
+    "hpz-stage3-fp16-clip-gas2": (3, "fp16", CLIP, 2, False, HPZ),
+    "hpz-stage3-bf16-low-precision-shards": (3, "bf16", 0.0, 1, False, {"zero": {
+        **HPZ["zero"], "stage3_low_precision_shards": True, "stage3_max_reuse_distance": 0}}),
+}
 K = 4          # steps before the checkpoint (of STEPS)
 
 
@@ -41,7 +54,9 @@ def _config(stage, precision, clip, gas, world, group, tables):
     cfg = make_config(stage, precision, clip, gas, None, world)
     for k, v in tables.items():
         cfg.setdefault(k, {}).update(v)
-    if group is not None:
+    if isinstance(group, str):          # "hpzN": ZeRO++ hpZ in groups of N
+        cfg["zero"]["zero_hpz_partition_size"] = int(group[3:])
+    elif group is not None:
         cfg["zero"]["shard_group_size"] = group
     return cfg
 
@@ -78,30 +93,37 @@ def run_cases(rank, world, group, ckpt_dir, loads):
     and without groups; a stage-3 checkpoint saved after K steps (then the rest trained,
     the reference of the loads); and for each (source world, source group) in ``loads``,
     that checkpoint loaded with ``group`` here and trained to the end."""
-    out = {"cases": {}, "wire": {}, "crossing": {}, "ref": None, "loaded": {}}
-    for name, (stage, precision, clip, gas, use_init, zero) in CASES.items():
-        e = _engine(_config(stage, precision, clip, gas, world, group, zero), use_init)
+    out = {"cases": {}, "wire": {}, "crossing": {}, "ref": {}, "loaded": {}}
+    cases = dict(CASES, **(HPZ_CASES if world == 4 else {}))
+    for name, (stage, precision, clip, gas, use_init, zero) in cases.items():
+        e = _engine(_config(stage, precision, clip, gas, world, None if name in HPZ_CASES else group, zero), use_init)
         losses = _train(e, rank, world, gas, range(STEPS))
         sd = e.consolidated_state_dict()
         out["cases"][name] = {"losses": losses, "state": sd, "skipped": e.skipped_steps,
-                              "layout_world": e.partitioner.layout_world}
+                              "layout_world": e.partitioner.layout_world,
+                              "secondary": sum(u.secondary is not None for u in e.partitioner.all_units)}
         e.close()
-    for g in (group, None):
-        e = _engine(_config(3, "bf16", 0.0, 1, world, g, {}), False)
+    no_reuse = {"zero": {"stage3_max_reuse_distance": 0}}     # the backward gathers again
+    runs = {group: (group, {}), None: (None, {})}
+    if world == 4:
+        runs.update({"hpz2": ("hpz2", no_reuse), "flat, no reuse": (None, no_reuse)})
+    for key, (g, tables) in runs.items():
+        e = _engine(_config(3, "bf16", 0.0, 1, world, g, tables), False)
         _train(e, rank, world, 1, range(1))
         with Collectives() as rec:
             _train(e, rank, world, 1, range(1, 2))
-        out["wire"][g] = [(c.op, c.ranks) for c in rec.calls]
-        out["crossing"][g] = rec.sent_bytes(lambda ranks: spans_hosts(ranks, 2))
+        out["wire"][key] = [(c.op, c.ranks) for c in rec.calls]
+        out["crossing"][key] = rec.sent_bytes(lambda ranks: spans_hosts(ranks, 2))
         e.close()
     if world == 4:
         out["deepspeed"], out["bad"] = _deepspeed_and_bad_size(rank, world)
         out["need"] = {g: _refused_save(rank, world, g, f"{ckpt_dir}/full{g}") for g in (group, None)}
-    e = _engine(_config(3, "fp32", 0.0, 1, world, group, {}), False)
-    _train(e, rank, world, 1, range(K))
-    e.save_checkpoint(f"{ckpt_dir}/w{world}g{group}")
-    out["ref"] = _train(e, rank, world, 1, range(K, STEPS))
-    e.close()
+    for g in (group,) + (("hpz2",) if world == 4 else ()):
+        e = _engine(_config(3, "fp32", 0.0, 1, world, g, {}), False)
+        _train(e, rank, world, 1, range(K))
+        e.save_checkpoint(f"{ckpt_dir}/w{world}g{g}")
+        out["ref"][g] = _train(e, rank, world, 1, range(K, STEPS))
+        e.close()
     for src in loads:
         e = _engine(_config(3, "fp32", 0.0, 1, world, group, {}), False)
         torch.manual_seed(123)      # (the load, not the seed, must give the values)
@@ -171,7 +193,7 @@ def spawned(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("hier"))
     two = run_ranks(run_cases, 2, 1, root, [], timeout=900)[0]
     four = run_ranks(run_cases, 4, 2, root, [(2, 1)], timeout=1500)[0]
-    back = run_ranks(run_cases, 2, None, root, [(4, 2)], timeout=900)[0]
+    back = run_ranks(run_cases, 2, None, root, [(4, 2), (4, "hpz2")], timeout=900)[0]
     return {"2x1": two, "4x2": four, "2": back}
 
 
@@ -196,6 +218,32 @@ def test_matches_torch_adamw(layout, case, spawned, references):
     res = spawned[layout]["cases"][case]
     assert res["layout_world"] == int(layout[2])        # the states really are sharded N ways
     _check(res, *references[clip], precision, f"{layout} {case}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(HPZ_CASES))
+def test_hpz_matches_torch_adamw(case, spawned, references):
+    """ZeRO++ hpZ on 4 ranks: the states sharded 4 ways, every gathered unit with a secondary
+    shard in its group of 2."""
+    stage, precision, clip, *_ = HPZ_CASES[case]
+    res = spawned["4x2"]["cases"][case]
+    assert res["layout_world"] == 4 and res["secondary"] > 0
+    _check(res, *references[clip], precision, f"hpZ {case}")
+
+
+@pytest.mark.slow
+def test_hpz_gathers_after_the_first_stay_in_the_group(spawned):
+    """hpZ, one step with nothing kept gathered from forward to backward: the forward's
+    all-gathers go across all 4 ranks (the masters changed in the step before), the backward's
+    only within the group {0, 1}; gradients are reduce-scattered across all 4."""
+    wire = spawned["4x2"]["wire"]["hpz2"]
+    gathers = [r for op, r in wire if "allgather" in op]
+    assert set(gathers) == {(0, 1, 2, 3), (0, 1)}, wire
+    assert gathers.count((0, 1)) >= gathers.count((0, 1, 2, 3)) // 2, gathers
+    assert {r for op, r in wire if "reduce_scatter" in op} == {(0, 1, 2, 3)}, wire
+    # what crosses the groups: less than flat stage 3's the same way (no backward gather crosses)
+    hpz, flat = spawned["4x2"]["crossing"]["hpz2"], spawned["4x2"]["crossing"]["flat, no reuse"]
+    assert hpz < 0.9 * flat, (hpz, flat)
 
 
 @pytest.mark.slow
@@ -225,8 +273,9 @@ def test_gathers_stay_within_the_group(spawned):
 def test_checkpoints_load_at_another_world_and_group_size(spawned):
     four, two, back = spawned["4x2"], spawned["2x1"], spawned["2"]
     # 2 ranks in groups of 1 -> 4 ranks in groups of 2; 4 in groups of 2 -> 2 ranks, one group
-    for got, want, what in ((four["loaded"][(2, 1)], two["ref"], "2x1 -> 4x2"),
-                            (back["loaded"][(4, 2)], four["ref"], "4x2 -> 2")):
+    for got, want, what in ((four["loaded"][(2, 1)], two["ref"][1], "2x1 -> 4x2"),
+                            (back["loaded"][(4, 2)], four["ref"][2], "4x2 -> 2"),
+                            (back["loaded"][(4, "hpz2")], four["ref"]["hpz2"], "4 hpZ 2 -> 2")):
         assert len(got) == STEPS - K
         assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5, (what, got, want)
 
@@ -234,11 +283,11 @@ def test_checkpoints_load_at_another_world_and_group_size(spawned):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", ["hpz", "mics"])
 def test_deepspeed_keys_train_in_groups(spawned, references, key):
-    """DeepSpeed's zero_hpz_partition_size = 2 (zeroplug.initialize) and mics_shard_size = 2 (a
-    model built in deepspeed.zero.MiCS_Init, then deepspeed.initialize) on 4 ranks: groups of 2,
-    like torch AdamW."""
+    """DeepSpeed's zero_hpz_partition_size = 2 (zeroplug.initialize: hpZ, states sharded 4 ways)
+    and mics_shard_size = 2 (a model built in deepspeed.zero.MiCS_Init, then deepspeed.initialize:
+    states sharded 2 ways) on 4 ranks, like torch AdamW."""
     res = spawned["4x2"]["deepspeed"][key]
-    assert res["layout_world"] == 2
+    assert res["layout_world"] == (4 if key == "hpz" else 2)
     _check(res, *references[0.0], "fp32", key)
 
 
@@ -260,19 +309,20 @@ def test_deepspeed_group_keys():
     zero, notes = _translate({"stage": 3, "mics_shard_size": 8})
     assert zero["shard_group_size"] == 8 and not any("mics" in n for n in notes)
     zero, notes = _translate({"stage": 3, "zero_hpz_partition_size": 8})
-    assert zero["shard_group_size"] == 8
-    assert any("zero_hpz_partition_size = 8 read as zero.shard_group_size = 8" in n for n in notes), notes
+    assert zero["zero_hpz_partition_size"] == 8 and "shard_group_size" not in zero
+    assert not any("hpz" in n for n in notes), notes
     for off in ({"mics_shard_size": -1}, {"zero_hpz_partition_size": 1}, {}):
         zero, notes = _translate({"stage": 3, **off})
-        assert "shard_group_size" not in zero and not any("shard" in n or "hpz" in n for n in notes), notes
+        assert {"shard_group_size", "zero_hpz_partition_size"}.isdisjoint(zero)
+        assert not any("shard" in n or "hpz" in n for n in notes), notes
     zero, notes = _translate({"stage": 2, "zero_hpz_partition_size": 8})      # DeepSpeed: stage 3 only
-    assert "shard_group_size" not in zero and any("ignored at stage 2" in n for n in notes), notes
-    zero, notes = _translate({"stage": 3, "mics_shard_size": 4, "zero_hpz_partition_size": 4})
-    assert zero["shard_group_size"] == 4
+    assert {"shard_group_size", "zero_hpz_partition_size"}.isdisjoint(zero)
+    assert any("ignored at stage 2" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("zero, key", [
     ({"stage": 3, "mics_shard_size": 4, "zero_hpz_partition_size": 8}, "zero_optimization.zero_hpz_partition_size"),
+    ({"stage": 3, "mics_shard_size": 4, "zero_hpz_partition_size": 4}, "zero_optimization.zero_hpz_partition_size"),
     ({"stage": 3, "mics_shard_size": 0}, "zero_optimization.mics_shard_size"),
     ({"stage": 3, "zero_hpz_partition_size": "two"}, "zero_optimization.zero_hpz_partition_size"),
 ])
@@ -295,3 +345,16 @@ def test_free_space_check_counts_one_copy(spawned):
         assert m, message
         sizes[g] = float(m.group(1)) * {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
     assert abs(sizes[2] - sizes[None]) <= 0.05 * sizes[None], need
+
+
+@pytest.mark.parametrize("tables", [
+    {"zero": {"plugin": "stage3", "zero_hpz_partition_size": 2, "shard_group_size": 2}},
+    {"zero": {"plugin": "stage3", "zero_hpz_partition_size": 2}, "offload": {"optimizer": {"plugin": "cpu"}}},
+])
+def test_hpz_refuses_what_it_does_not_combine_with(tables):
+    import zeroplug
+    from zeroplug.errors import ConfigError
+    cfg = {"optimizer": {"plugin": "adamw"}, "monitor": {"plugin": "none"}, **tables}
+    with pytest.raises(ConfigError) as err:
+        zeroplug.initialize(ToyNet(), cfg)
+    assert err.value.key == "zero.zero_hpz_partition_size"
