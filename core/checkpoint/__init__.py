@@ -54,9 +54,11 @@ import torch
 from . import directory as checkpoint_dir
 from zeroplug.errors import StepFailedError
 from .files import (
-    FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, ShardSet, agree, install, atomic_write_text,
-    fsync_dir, newest_verified, open_checkpoint, prune, rank_file_name, read_latest, read_manifest, resolve, verify,
+    FORMAT, LATEST, TMP_PREFIX, CheckpointError, PartWriter, atomic_write_text, fsync_dir, install, rank_file_name,
     write_manifest, write_torch_file,
+)
+from .loading import (
+    ShardSet, agree, newest_verified, open_checkpoint, prune, read_latest, read_manifest, resolve, verify,
 )
 from .rng import rng_states, set_rng_states
 from .validate import Fields, check_like, check_rng

@@ -35,7 +35,7 @@ import torch
 from .deepspeed_files import (SCHEDULER_KEY, ZeroStageEnum, find_deepspeed_checkpoint, load_deepspeed_file, model_file,
                               optim_files)
 from .files import CheckpointError
-from .writers import Entry
+from .writers import Entry, out_dtype
 
 log = logging.getLogger("zeroplug")
 
@@ -373,7 +373,6 @@ class DeepSpeedSource:
         self._touched = 0
 
     def entries(self) -> list[Entry]:
-        from .fp32_export import out_dtype
         out = []
         for key, name in self.ck.meta()["state_dict"]:
             if name is None:

@@ -14,7 +14,8 @@ import torch
 
 from zeroplug.errors import StateError
 
-from .files import CheckpointError, atomic_torch_save, open_checkpoint
+from .files import CheckpointError, atomic_torch_save
+from .loading import open_checkpoint
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -217,10 +217,3 @@ def plain_name(name) -> bool:
     """A name that stays inside its directory: no separators, not hidden, not '..'."""
     return (isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name
             and "\0" not in name and not name.startswith(".") and name.isprintable())
-
-
-# Note: the reading half lives in .loading; re-exported here, where callers have imported it from
-from .loading import (  # noqa: E402,F401
-    MAX_LATEST, MAX_MANIFEST, ShardSet, agree, newest_verified, open_checkpoint, open_tag, prune,
-    read_latest, read_manifest, resolve, verify,
-)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .files import CheckpointError, ShardSet, read_manifest, resolve, verify
-from .writers import Entry, parse_size, shard_entries, write_safetensors, write_torch
+from .files import CheckpointError
+from .loading import ShardSet, read_manifest, resolve, verify
+from .writers import Entry, out_dtype, parse_size, shard_entries, write_safetensors, write_torch
 
 log = logging.getLogger("zeroplug")
 
@@ -37,11 +38,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in the checkpoint metadata")
     return dt
-
-
-def out_dtype(dt: torch.dtype, want: torch.dtype | None) -> torch.dtype:
-    """Floating tensors become ``want`` (None: kept); integer and bool ones stay as they are."""
-    return want if want is not None and dt.is_floating_point else dt
 
 
 class ZeroplugSource:

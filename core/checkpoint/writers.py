@@ -211,3 +211,8 @@ def shard_entries(entries: list[Entry], max_bytes: int | None) -> list[list[Entr
 
 
 __all__ = ["Entry", "write_safetensors", "write_torch", "parse_size", "shard_entries"]
+
+
+def out_dtype(dt: torch.dtype, want: torch.dtype | None) -> torch.dtype:
+    """Floating tensors become ``want`` (None: kept); integer and bool ones stay as they are."""
+    return want if want is not None and dt.is_floating_point else dt

@@ -114,7 +114,7 @@ def test_continues_exactly(tmp_path, reference, ds_stage, ds_world, zp_stage, zp
 
 def saved_states(ckpt_dir) -> dict:
     """{param name: {"master": t, "exp_avg": t, ...}} read back from a zeroplug checkpoint."""
-    from zeroplug.checkpoint.files import ShardSet, read_manifest, resolve
+    from zeroplug.checkpoint.loading import ShardSet, read_manifest, resolve
     path = resolve(ckpt_dir)
     shards = ShardSet(path, read_manifest(path))
     out: dict = {}

@@ -140,7 +140,7 @@ def test_two_runs_started_together_one_is_refused(tmp_path):
     winner = [p for p in procs if p.returncode == 0][0]
     err = [o[1] for p, o in zip(procs, outs) if p.returncode == 2][0]
     assert f"is in use by pid {winner.pid} on host {HOST}" in err and "Traceback" not in err
-    from zeroplug.checkpoint.files import read_manifest, verify
+    from zeroplug.checkpoint.loading import read_manifest, verify
     for s in range(1, 5):
         d = ck / f"global_step{s}"
         verify(d, read_manifest(d))
@@ -181,7 +181,7 @@ def test_engine_holds_its_checkpoint_dir_until_close(tmp_path):
 def test_a_save_removes_only_dead_runs_temporary_dirs(tmp_path):
     """A temporary directory in a directory this run holds can only be a dead run's; without
     the lock (a filesystem that keeps none), a save removes only its own."""
-    from zeroplug.checkpoint.files import prune
+    from zeroplug.checkpoint.loading import prune
     e = zeroplug.initialize(ToyNet(), {"monitor": {"plugin": "none"}})
     (tmp_path / ".tmp-global_step9-deadbeef").mkdir(parents=True)
     assert prune(tmp_path, 0, stale_tmp=False) == [] and (tmp_path / ".tmp-global_step9-deadbeef").exists()
