@@ -22,7 +22,8 @@ between steps (``engine.memory_report()``).
 
 Hierarchical sharding (``--rows @hier``, 4 or more ranks): FSDP2 and zeroplug's stages 2 and 3
 flat against sharded within groups of 2 and replicated across them (FSDP2's HSDP: a 2-D mesh;
-zeroplug's ``zero.shard_group_size = 2``). With ``--host-size N`` each row also records one
+zeroplug's ``zero.shard_group_size = 2``), and zeroplug's stage 3 with ZeRO++ hpZ
+(``zero.zero_hpz_partition_size = 2``: a secondary parameter shard per group). With ``--host-size N`` each row also records one
 step's collectives and prints the bytes each rank sends per step (ring model), in all and in
 the groups that span "hosts" of N consecutive ranks: what would cross the network between
 hosts. Two torchrun agents (``--nnodes 2 --node-rank 0/1``, each with its own
@@ -78,11 +79,12 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     "fsdp2-hsdp 2": "fsdp2-hsdp:2",
     "zeroplug stage3, shard_group_size 2": {"plugin": "stage3", "shard_group_size": 2},
     "zeroplug stage2, shard_group_size 2": {"plugin": "stage2", "shard_group_size": 2},
+    "zeroplug stage3, zero_hpz_partition_size 2": {"plugin": "stage3", "zero_hpz_partition_size": 2},
 }
 # --rows @NAME: these rows exactly
 ROW_SETS = {
     "hier": ["fsdp2", "fsdp2-hsdp 2", "zeroplug stage3", "zeroplug stage3, shard_group_size 2",
-             "zeroplug stage2", "zeroplug stage2, shard_group_size 2"],
+             "zeroplug stage3, zero_hpz_partition_size 2", "zeroplug stage2", "zeroplug stage2, shard_group_size 2"],
 }
 SEARCH = {
     "stage3": {"zero": {"plugin": "stage3"}},
@@ -212,7 +214,7 @@ def run_table(args, device) -> list[dict]:
             continue        # plain PyTorch is one rank's baseline (no data parallelism)
         if "max_reuse_distance" in label and size == 1:
             continue        # one rank keeps nothing for reuse anyway (a gather is a cast)
-        if ("hsdp 2" in label or "shard_group_size 2" in label) and (size <= 2 or size % 2):
+        if ("hsdp 2" in label or "size 2" in label) and (size <= 2 or size % 2):
             continue        # groups of 2 need more than one group
         if args.rows and args.rows.startswith("@"):
             if label not in ROW_SETS[args.rows[1:]]:
