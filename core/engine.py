@@ -182,7 +182,7 @@ class Engine:
             return
         # Note: an asynchronous save reads the states in place until its copy is taken; a
         # failed one is raised here, before the step changes anything
-        self.background_saves.before_step()
+        self.background_saves.before_step(self.run.comm)
         self.micro_steps_in_window = 0
         self.hook.zeroplug_step_begin(engine=self)
         try:

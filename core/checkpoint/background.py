@@ -17,9 +17,10 @@ What the engine waits for, and where:
 * the whole save, before the next save, a load and ``close()``.
 
 A failed background save is raised once, as :class:`~zeroplug.checkpoint.CheckpointError`
-with one line naming the checkpoint and its directory, at the next ``step()`` boundary,
-save, load or ``close()``, whichever comes first; ``latest`` still names the previous
-checkpoint.
+with one line naming the checkpoint and its directory, at the first ``step()`` boundary
+by which every rank's writer has ended (the ranks agree on it: one all-reduce per step
+while a save is unsettled), or at the next save, load or ``close()``, whichever comes
+first; ``latest`` still names the previous checkpoint.
 
 With several ranks the threads exchange sizes and digests over a gloo process group of
 their own (created, collectively, by the first asynchronous save), so that they never
@@ -159,12 +160,27 @@ class BackgroundSaves:
         """Return once the states of the save in flight are in host memory."""
         self._copied.wait()
 
-    def before_step(self) -> None:
-        """The optimizer is about to change the states: a failed save is raised, the copy
-        of one in flight is waited for."""
-        self.raise_error()
+    def before_step(self, comm) -> None:
+        """The optimizer is about to change the states: the copy of a save in flight is
+        waited for, and a save that failed is raised, on every rank at the same step.
+
+        Note: each rank's writer learns the outcome from the same exchange, but not at the
+        same moment; raising as soon as this rank's writer ends would let the other ranks
+        go on into the step's collectives and hang. So while a save is unsettled the ranks
+        agree (one all-reduce per step) on whether every writer has ended, and only then
+        is a failure raised, everywhere."""
         self._copied.wait()
-        self.raise_error()
+        t = self._thread
+        if t is None:               # ended and joined already (on every rank): settled
+            self.raise_error()
+            return
+        if comm.distributed:
+            from torch.distributed import ReduceOp
+            if comm.all_reduce_scalar(0.0 if t.is_alive() else 1.0, op=ReduceOp.MIN) < 1.0:
+                return
+        elif t.is_alive():
+            return
+        self.wait()
 
     def wait(self, raise_error: bool = True) -> None:
         """Return once no save is in flight; raise the error of a failed one."""

@@ -180,15 +180,18 @@ def _two_ranks(rank, world, root, stage, fail_rank):
             raise OSError(errno.EIO, "Input/output error (injected)")
         ck.write_torch_file = broken
     e.save_checkpoint(root, client_state={"pos": 3}, async_save=True)
-    error = None
+    error = step = None
     try:
         losses += train(e, range(3, 5), world, rank)
-    except CheckpointError as exc:
-        error = str(exc)
+    except CheckpointError as exc:      # at the step by which every rank's writer has ended
+        error, step = str(exc), e.global_step
     if fail_rank == rank:
         ck.write_torch_file = real
-    e.close()
-    return {"losses": losses, "error": error}
+    try:
+        e.close()
+    except CheckpointError as exc:      # or, if none has, when the engine closes
+        error = error or str(exc)
+    return {"losses": losses, "error": error, "step": step}
 
 
 def _resume_ranks(rank, world, root, stage):
@@ -210,6 +213,7 @@ def test_two_ranks_async_save(tmp_path, stage):
     # one rank's write fails: every rank raises it at its next step, the directory is as before
     bad = run_ranks(_two_ranks, 2, str(tmp_path / "bad"), stage, 1, timeout=300)
     assert all(r["error"] and "EIO" in r["error"] and "rank 1" in r["error"] for r in bad), bad
+    assert bad[0]["step"] == bad[1]["step"]         # raised at the same step on both ranks
     assert not (tmp_path / "bad" / "latest").exists()
     assert [p.name for p in (tmp_path / "bad").iterdir() if p.name != ".zeroplug.lock"] == []
 
