@@ -63,7 +63,7 @@ class CheckpointOptions:
                "thread copies the states into host memory (one checkpoint's size, kept for the run) "
                "before the next optimizer step and writes them while training goes on, under the same "
                "atomic protocol. One save is in flight at a time; the next save, a load and close() wait "
-               "for it, and a failed one is raised at the next step, save, load or close(). Saved "
+               "for it, and a failed one is raised at a later step (the same on every rank), save, load or close(). Saved "
                "synchronously (with a warning) when the host lacks the memory for the copy. DeepSpeed's "
                "checkpoint.writer.decoupled.")
 
