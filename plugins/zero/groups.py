@@ -102,4 +102,21 @@ def reduce_gradients(mesh: ShardMesh, out: torch.Tensor, buf: torch.Tensor):
         side.wait_stream(torch.cuda.current_stream(out.device))
     with torch.cuda.stream(side) if side is not None else nullcontext():
         handle.wait()
-        return mesh.replicate.all_reduce(out, async_op=True)
+        return TwoHops(mesh.replicate.all_reduce(out, async_op=True), buf)
+
+
+class TwoHops:
+    """The cross-group all-reduce's handle, holding the reduce-scatter's input until it is
+    waited on.
+
+    Note: NCCL's work object lets go of its tensors when waited on, and the first hop is
+    waited on from the side stream; were ``buf`` freed then, the caching allocator could
+    hand its memory to the compute stream while the reduce-scatter still reads it. Held
+    here, it is freed only after the caller's stream has waited for both hops."""
+
+    def __init__(self, work, keep: torch.Tensor):
+        self.work, self.keep = work, keep
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.keep = None
