@@ -188,6 +188,13 @@ def optimizer_state_bytes(run, state_device: torch.device) -> float:
     return float(choice.impl.state_bytes(choice.options, run, state_device))
 
 
+def full_precision_states(optimizer) -> bool:
+    """Whether ``optimizer`` holds its element-wise states in fp32: an optimizer may declare
+    ``state_dtype`` ("fp32", "bf16", "int8": cpu_adam does); one that declares none does.
+    A tier that steps states with another kernel (torch's fused AdamW on the GPU) needs them."""
+    return getattr(optimizer, "state_dtype", "fp32") == "fp32"
+
+
 class OffloadTier:
     """Where a kind of state ("optimizer" or "param") lives between uses, and its movement."""
     @dataclass(frozen=True)

@@ -29,7 +29,10 @@ RANK_KEYS = {"format", "version", "rank", "world_size", "counters", "precision",
              "plugins", "model"}
 COUNTERS = ("global_step", "micro_step", "skipped_steps", "lr_step")
 MODEL_KEYS = {"pieces", "optim_scalars", "optim_keys", "optim_groups", "extras"}
-PIECE_KEYS = {"start", "end", "param", "master", "optim", "part"}
+PIECE_KEYS = {"start", "end", "param", "master", "optim", "blocks", "part"}
+#: 8-bit codes of block-quantised optimizer states (zeroplug.quantized_states), with their absmax
+CODE_DTYPES = {"int8": torch.int8, "uint8": torch.uint8}
+BLOCK = 256
 PART_KEYS = {"format", "version", "rank", "part", "pieces"}
 
 
@@ -192,10 +195,11 @@ def _check_pieces(bad: Fields, pieces, params: dict, manifest_files: dict, rank:
                     _range_tensor(bad, f"{g}.{key}", pc[key], n, want)
             if "optim" in pc:
                 bad.dict_(f"{g}.optim", pc["optim"])
+                coded = _check_blocks(bad, g, pc, n)
                 for key, t in pc["optim"].items():
                     if not isinstance(key, str):
                         bad(f"{g}.optim", f"has the key {show(key)}, not a name")
-                    _range_tensor(bad, f"{g}.optim[{show(key)}]", t, n, None)
+                    _range_tensor(bad, f"{g}.optim[{show(key)}]", t, n, None, coded=key in coded)
             if "part" in pc:
                 ref = pc["part"]
                 e = manifest_files.get(ref) if isinstance(ref, str) else None
@@ -205,15 +209,30 @@ def _check_pieces(bad: Fields, pieces, params: dict, manifest_files: dict, rank:
                 bad(g, "has no values (no 'param' and no 'part')")
 
 
-def _range_tensor(bad: Fields, field: str, t, n: int, dtype) -> None:
+def _check_blocks(bad: Fields, g: str, pc: dict, n: int) -> set:
+    """A piece's ``blocks`` (the absmax of its block-quantised optimizer states): the keys it covers."""
+    if "blocks" not in pc:
+        return set()
+    blocks = bad.dict_(f"{g}.blocks", pc["blocks"])
+    bad.keys(f"{g}.blocks", blocks, ("phase", "absmax"), {"phase", "absmax"})
+    phase = bad.int_(f"{g}.blocks.phase", blocks["phase"], 0, BLOCK - 1)
+    count = (phase + n + BLOCK - 1) // BLOCK
+    for key, t in bad.dict_(f"{g}.blocks.absmax", blocks["absmax"]).items():
+        if key not in pc["optim"]:
+            bad(f"{g}.blocks.absmax", f"has the key {show(key)}, which optim does not")
+        _range_tensor(bad, f"{g}.blocks.absmax[{show(key)}]", t, count, torch.float32)
+    return set(blocks["absmax"])
+
+
+def _range_tensor(bad: Fields, field: str, t, n: int, dtype, coded: bool = False) -> None:
     if not torch.is_tensor(t):
         bad(field, f"= {show(t)}: not a tensor")
     if t.dim() != 1 or t.numel() != n:
         bad(field, f"is {show(t)}; the piece's range holds {n} elements")
     if dtype is not None and t.dtype != dtype:
         bad(field, f"is {show(t)}; the checkpoint declares {str(dtype).replace('torch.', '')}")
-    if dtype is None and t.dtype not in DTYPES.values():
-        bad(field, f"is {show(t)}; optimizer states are floating point")
+    if dtype is None and t.dtype not in DTYPES.values() and not (coded and t.dtype in CODE_DTYPES.values()):
+        bad(field, f"is {show(t)}; optimizer states are floating point, or 8-bit codes with their blocks' absmax")
 
 
 def check_rank_file(obj, where: str, manifest: dict, rank: int) -> None:
@@ -240,8 +259,8 @@ def check_rank_file(obj, where: str, manifest: dict, rank: int) -> None:
     for k, v in bad.dict_("model.optim_scalars", model.get("optim_scalars", {})).items():
         bad.number(f"model.optim_scalars[{show(k)}]", v)
     for k, v in bad.dict_("model.optim_keys", model.get("optim_keys", {})).items():
-        if not isinstance(k, str) or not isinstance(v, str) or v not in DTYPES:
-            bad(f"model.optim_keys[{show(k)}]", f"= {show(v)}: not one of {', '.join(DTYPES)}")
+        if not isinstance(k, str) or not isinstance(v, str) or v not in DTYPES and v not in CODE_DTYPES:
+            bad(f"model.optim_keys[{show(k)}]", f"= {show(v)}: not one of {', '.join([*DTYPES, *CODE_DTYPES])}")
     groups = model.get("optim_groups", [])
     if not isinstance(groups, list) or len(groups) > 1 or not all(isinstance(g, dict) for g in groups):
         bad("model.optim_groups", f"= {show(groups)}: not a list of one table of hyper-parameters")

@@ -81,17 +81,24 @@ def cmd_estimate(args, overrides) -> int:
                  if args.activations_on_host else
                  " (--activations-on-host: the checkpointed blocks' inputs in host memory)" if act.checkpointed
                  else ""))
-    print(f"{'stage':>6} {'offload':>14} {'device GiB':>11} {'host GiB':>9}   device by category (GiB; "
+    print(f"{'stage':>6} {'offload':>16} {'device GiB':>11} {'host GiB':>9}   device by category (GiB; "
           "engine.memory_report()'s names, gradients as at the step)")
+    from zeroplug.quantized_states import STATE_DTYPES
+    forms = STATE_DTYPES if args.state_dtype == "all" else (args.state_dtype,)
     for stage in (0, 1, 2, 3):
         for off_opt, off_par in ((False, False), (True, False), (True, True)):
             if off_par and stage < 3 or off_opt and stage == 0:
                 continue
-            e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
-                                      act_device, act_host)
-            label = "param+optim" if off_par else "optim" if off_opt else "none"
-            cats = " | ".join(f"{k} {v / GB:.2f}" for k, v in e["device_categories"].items() if v)
-            print(f"{stage:>6} {label:>14} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}   {cats or '-'}")
+            for form in forms if off_opt else ("fp32",):
+                e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
+                                          act_device, act_host, form)
+                label = ("param+optim" if off_par else "optim" if off_opt else "none") + \
+                    (f"/{form}" if form != "fp32" else "")
+                cats = " | ".join(f"{k} {v / GB:.2f}" for k, v in e["device_categories"].items() if v)
+                print(f"{stage:>6} {label:>16} {e['device'] / GB:>11.2f} {e['host'] / GB:>9.2f}   {cats or '-'}")
+    if len(forms) > 1:
+        print("optim/bf16, optim/int8: the offloaded optimizer's Adam moments held in bf16 or block-quantised "
+              "int8 (optimizer.state_dtype; host bytes per parameter for the states: 8, 4, 2.03)")
     return 0
 
 
@@ -210,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--activations-on-host", action="store_true",
                    help="count the checkpointed blocks' inputs in host memory, as [activation_checkpointing] "
                         "plugin = \"cpu\" keeps them (with --micro-batch)")
+    e.add_argument("--state-dtype", default="all", choices=["fp32", "bf16", "int8", "all"],
+                   help="the offloaded optimizer's states (optimizer.state_dtype); all (default): a row for each")
     e.set_defaults(fn=cmd_estimate)
     from zeroplug.tools import report, tune
     tune.add_parser(sub)             # the commands' logic lives in zeroplug.tools, outside the core

@@ -389,7 +389,9 @@ class _Translator:
                 if k == "enabled":
                     continue
                 p = f"{name}.{k}".replace("bfloat16.", "bf16.")
-                if rule_for(p) is None or on is True:
+                if p == "bf16.bf16_optimizer_states" and on is True:
+                    self.small_states(p, v is True)
+                elif rule_for(p) is None or on is True:
                     self.key(p, v, strict=True)
         if on16 is True:
             _set(self.raw, "precision.plugin", "fp16")
@@ -403,6 +405,18 @@ class _Translator:
         self.t.origin["precision.plugin"] = "fp16.enabled" if on16 is not None else f"{bname}.enabled"
         if "communication_data_type" in ds:
             self.reduce_dtype(self.value("communication_data_type", ds["communication_data_type"]))
+
+    def small_states(self, path: str, bf16: bool) -> None:
+        """``path`` asks for bf16 optimizer states (``bf16``) or fp32 ones: optimizer.state_dtype
+        where cpu_adam steps offloaded states; on the GPU torch's kernels step fp32 states."""
+        if not bf16:
+            return
+        if not self.offloaded:
+            self.note(f"{path} = true ignored: without offload_optimizer the optimizer states stay on the GPU, "
+                      f"where torch's kernels step them in fp32 (zeroplug's bf16 / int8 states are cpu_adam's, "
+                      f"for offloaded states)")
+            return
+        self.put("optimizer.state_dtype", path, "bf16")
 
     def reduce_dtype(self, value) -> None:
         plugin = get_path(self.raw, "precision.plugin")
@@ -434,6 +448,9 @@ class _Translator:
                               f"train another model. Use one of those, or register an optimizer plugin",
                               key="optimizer.type")
         plugin = OPTIMIZERS[name]
+        if "fp32_optimizer_states" in params:
+            fp32 = self.value("optimizer.params.fp32_optimizer_states", params.pop("fp32_optimizer_states"))
+            self.small_states("optimizer.params.fp32_optimizer_states", fp32 is False)
         if plugin == "adamw":
             w = self.value("optimizer.params.adam_w_mode", params.pop("adam_w_mode", True))
             w = name == "adamw" or self.value("optimizer.params.adamw_mode", params.pop("adamw_mode", w))

@@ -106,7 +106,9 @@ RULES: dict[str, Rule] = {
         "DeepSpeed does not clip with it either (it warns, newer versions refuse): set gradient_clipping",
         quiet=(0, 0.0)),
     "optimizer.params.set_grad_none": ignored("zeroplug frees gradients after the step anyway"),
-    "optimizer.params.fp32_optimizer_states": ignored("zeroplug keeps fp32 optimizer states", quiet=(True,)),
+    "optimizer.params.fp32_optimizer_states": moved(
+        "optimizer.state_dtype", "false (DeepSpeedCPUAdam's bf16 moments): \"bf16\" with offload_optimizer; "
+        "without it ignored (torch's kernels on the GPU step fp32 states); true: \"fp32\", the default"),
     "optimizer.params.foreach": ignored("torch's kernel choice; zeroplug picks fused where it exists "
                                         "(optimizer.implementation)"),
     "optimizer.params.fused": ignored("torch's kernel choice; zeroplug picks fused where it exists "
@@ -153,8 +155,10 @@ RULES: dict[str, Rule] = {
     "bf16.bf16_master_weights_and_grads": ignored(
         "zeroplug keeps fp32 master weights and gradients: more exact, 4 more bytes per parameter",
         quiet=(False,)),
-    "bf16.bf16_optimizer_states": ignored("zeroplug keeps fp32 optimizer states: more exact, 4 more bytes "
-                                          "per parameter", quiet=(False,)),
+    "bf16.bf16_optimizer_states": moved(
+        "optimizer.state_dtype", "true with offload_optimizer: \"bf16\" (Adam's moments in bf16 on the host, "
+        "stepped by cpu_adam; the masters stay fp32: bf16_master_weights_and_grads is ignored); without "
+        "offload_optimizer ignored with a warning (torch's kernels on the GPU step fp32 states)"),
     "bfloat16": moved("precision.plugin", "DeepSpeed's old name of bf16 (used when bf16 is absent)"),
     "communication_data_type": moved("precision.reduce_dtype", "fp32 / fp16 / bf16 where the precision "
                                      "plugin offers it; another dtype is ignored with a warning"),

@@ -265,7 +265,7 @@ CATEGORIES = ("lp_params", "master", "gradients", "optimizer")   # engine.memory
 def estimate_model_states(num_params: int, stage: int, world_size: int,
                           param_bytes: int = 2, offload_optimizer: bool = False,
                           offload_param: bool = False, activations: float = 0.0,
-                          host_activations: float = 0.0) -> dict:
+                          host_activations: float = 0.0, state_dtype: str = "fp32") -> dict:
     """Bytes per rank at the optimizer step, by ``engine.memory_report()``'s categories, on the
     device and on the host, as zeroplug lays the states out (Adam, fp32 masters):
 
@@ -277,7 +277,8 @@ def estimate_model_states(num_params: int, stage: int, world_size: int,
       Stages 2-3 on one rank with the optimizer on the device keep the model-dtype gradients
       and widen an eighth of them at a time in the step (plugins/zero/lp_grads.py; with no
       gradient accumulation and a fused optimizer, the defaults);
-    * optimizer: Adam's two fp32 moments.
+    * optimizer: Adam's two moments: fp32 (8 bytes), or with the optimizer offloaded as
+      ``state_dtype`` says (optimizer.state_dtype: bf16 4 bytes, int8 2 + 8 per 256).
 
     ``device`` adds ``activations`` (one micro-batch's; no stage shards them), ``host`` adds
     ``host_activations`` (the checkpointed blocks' inputs the cpu activation store holds there;
@@ -295,7 +296,8 @@ def estimate_model_states(num_params: int, stage: int, world_size: int,
     grad32 = 0.0 if fp32 and stage <= 1 else sharded(4, 2) if stage >= 2 else sharded(4, 1)
     if stage >= 2 and n == 1 and not fp32 and not offload_optimizer:
         grad32 = num_params * (param_bytes + 4 / 8)       # (8: lp_grads.SLICES)
-    optim = sharded(8, 1)
+    from zeroplug.quantized_states import state_bytes
+    optim = sharded(state_bytes(state_dtype if offload_optimizer else "fp32"), 1)
     where = {"lp_params": offload_param, "master": offload_optimizer, "optimizer": offload_optimizer}
     cats = {"lp_params": lp, "master": master, "gradients": flat + grad32, "optimizer": optim}
     device = {k: v for k, v in cats.items() if not where.get(k)}

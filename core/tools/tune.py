@@ -45,6 +45,7 @@ class Candidate:
     est_disk: float = 0.0
     run: object = None           # zeroplug.benchmarking.measure.StepRun
     verdict: str = ""
+    states: str = "fp32"         # the offloaded optimizer's Adam moments (optimizer.state_dtype)
 
     @property
     def name(self) -> str:
@@ -52,7 +53,8 @@ class Candidate:
                  (_NVME, "none"): " + optimizer on NVMe", (_NVME, _CPU): " + optimizer on NVMe, parameters on CPU",
                  (_NVME, _NVME): " + optimizer and parameters on NVMe"}
         acts = " + activations on CPU" if self.activations == _CPU else ""
-        return f"stage{self.stage}" + where.get((self.optimizer, self.param), "") + acts
+        small = f" ({self.states} states)" if self.states != "fp32" else ""
+        return f"stage{self.stage}" + where.get((self.optimizer, self.param), "") + acts + small
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,6 +126,8 @@ def config_for(c: Candidate, micro_batch: int, machine: Machine, lr: float, meas
            "zero": {"plugin": f"stage{c.stage}"},
            "precision": {"plugin": "bf16" if machine.device.type == "cuda" else "fp32"},
            "optimizer": {"plugin": "auto", "lr": lr}}
+    if c.states != "fp32":
+        cfg["optimizer"]["state_dtype"] = c.states
     if c.optimizer != "none":
         cfg["offload"] = {"optimizer": {"plugin": c.optimizer}}
         if c.param != "none":
@@ -144,21 +148,38 @@ def config_for(c: Candidate, micro_batch: int, machine: Machine, lr: float, meas
 def estimate(c: Candidate, n_params: int, activations, machine: Machine) -> None:
     """Fill ``c``'s estimated device, host and disk bytes (``activations``: a
     :class:`zeroplug.tools.probe.Activations`)."""
+    from zeroplug.quantized_states import state_bytes
+
     from .probe import estimate_model_states
     param_bytes = 2 if machine.device.type == "cuda" else 4
     on_device, on_host = activations.split(c.activations == _CPU)
     e = estimate_model_states(n_params, c.stage, 1, param_bytes, c.optimizer != "none", c.param != "none",
-                              on_device, on_host)
+                              on_device, on_host, c.states)
     c.est_device, c.est_host, c.est_disk = e["device"], e["host"], 0.0
     host = e["host_categories"]
     if c.optimizer == _NVME:       # the states go to disk; up to 3 sub-groups in flight stay in memory
         sub_group = SUB_GROUP if machine.device.type == "cuda" else 1_000_000_000
         optim = host.get("master", 0.0) + host.get("optimizer", 0.0)
         c.est_disk += optim
-        c.est_host += 3 * min(sub_group, n_params) * 16 - optim
+        c.est_host += 3 * min(sub_group, n_params) * (8 + state_bytes(c.states)) - optim
     if c.param == _NVME:
         c.est_disk += host.get("lp_params", 0.0)
         c.est_host -= host.get("lp_params", 0.0)
+
+
+def smaller_states(c: Candidate, n_params: int, activations, machine: Machine, why: str) -> str | None:
+    """An offloaded candidate that does not fit with fp32 Adam moments: the first smaller form
+    (bf16, then int8: optimizer.state_dtype) with which it fits, set on ``c``; else ``why``."""
+    if "host memory" not in why and "on disk" not in why:
+        return why              # the GPU or no --nvme-path: the states' form does not help
+    for form in ("bf16", "int8"):
+        c.states = form
+        estimate(c, n_params, activations, machine)
+        if reject_reason(c, machine) is None:
+            return None
+    c.states = "fp32"
+    estimate(c, n_params, activations, machine)
+    return why
 
 
 def reject_reason(c: Candidate, machine: Machine) -> str | None:
@@ -242,6 +263,8 @@ def tune(spec, micro_batch: int, seq: int, device: torch.device, nvme_path: str 
         for c in (c for proto in tier for c in candidates(proto)):
             result.candidates.append(c)
             why = reject_reason(c, machine)
+            if why and c.optimizer != "none":
+                why = smaller_states(c, n_params, acts, machine, why)
             if why:
                 c.verdict = f"rejected: {why}"
                 continue

@@ -14,7 +14,9 @@ from zeroplug.errors import ConfigError, HostMemoryError
 from zeroplug.flat import mixed_grad_ok
 from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.options import opt
-from zeroplug.tiers import HostBytes, OffloadTier, TierCapabilities, optimizer_state_bytes, reads_grad_dtype
+from zeroplug.tiers import (
+    HostBytes, OffloadTier, TierCapabilities, full_precision_states, optimizer_state_bytes, reads_grad_dtype,
+)
 
 from .host import GRANULARITY, HostTier
 
@@ -241,7 +243,13 @@ class CPUOffload(HostTier):
         why = None
         if ratio <= 0 and not resident:
             return
-        if not fused or not all(g.get("bias_correction", False) for g in optimizer.param_groups):
+        small = not full_precision_states(optimizer)
+        if small and self.options.gpu_step_ratio == "auto" and not resident:
+            return      # "auto" picks no lane for states it cannot step
+        if small:
+            why = ("the optimizer holds its states in bf16 or int8 (optimizer.state_dtype), which the GPU lane "
+                   "(torch's fused AdamW) does not step")
+        elif not fused or not all(g.get("bias_correction", False) for g in optimizer.param_groups):
             why = ("it needs optimizer cpu_adam (or auto) with bias_correction = true, and parameters "
                    "not on nvme")
         elif self.cuda and not (self.options.pin_memory and all(

@@ -35,7 +35,9 @@ import torch
 
 from zeroplug.flat import set_grad
 from zeroplug.slots import takes_grad_scale
-from zeroplug.tiers import OffloadTier, SubGroupOptimizer, TierCapabilities, init_group_states, step_group
+from zeroplug.tiers import (
+    OffloadTier, SubGroupOptimizer, TierCapabilities, init_group_states, optimizer_state_bytes, step_group,
+)
 
 from .delayed import DelayedUpdate
 from .speculative import Speculation
@@ -134,14 +136,17 @@ class HostTier(OffloadTier):
         if self.kind != "optimizer":
             return
         total = sum(sg.numel for sg in layout.sub_groups)
-        # fp32 master + gradient here, and Adam's two fp32 moments created beside them
+        # fp32 master + gradient here, and the optimizer's states created beside them (Adam's
+        # two moments: 8 bytes in fp32, fewer as the optimizer declares: optimizer.state_dtype)
         gdt = self.grad_dtype()
         gb = torch.finfo(gdt).bits // 8
+        sb = optimizer_state_bytes(self.run, self.device)
         # the delayed update: a second gradient buffer and the step's model-dtype copy
         delayed = gb + torch.finfo(layout.param_dtype).bits // 8 if self.delayed_warmup() is not None else 0
         extra = f" + delayed update {delayed}" if delayed else ""
-        self.check_memory((12 + gb + delayed) * total, f"{total:,} fp32 master elements: master 4 + gradient "
-                                                       f"{gb} + optimizer states 8{extra} bytes each")
+        self.check_memory(int((4 + gb + sb + delayed) * total),
+                          f"{total:,} fp32 master elements: master 4 + gradient {gb} + optimizer states "
+                          f"{sb:g}{extra} bytes each")
         self.master_flat = self.empty(total, torch.float32)
         self.grad_flat = self.empty(total, gdt)
         self.grad_flat.zero_()

@@ -5,7 +5,7 @@ import torch
 
 from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.plugins.offload_cpu.host import HostTier
-from zeroplug.tiers import HostBytes, TierCapabilities
+from zeroplug.tiers import HostBytes, TierCapabilities, optimizer_state_bytes
 
 from .options import NVMeOptions
 from .param_swap import ParamSwap
@@ -113,8 +113,10 @@ class NVMeOffload(HostTier):
         groups = layout.sub_groups
         total = sum(sg.numel for sg in groups)
         largest = max(sg.numel for sg in groups)
-        # master, m and v of every element in files; masters staged one sub-group at a time
-        self.plan_swap(12 * total, largest, element_size=4, num_files=3 * len(groups))
+        # master and the optimizer's states of every element in files (Adam's m and v: 8 bytes
+        # in fp32, fewer in bf16 or int8); masters staged one sub-group at a time
+        sb = optimizer_state_bytes(self.run, torch.device("cpu"))
+        self.plan_swap(int((4 + sb) * total), largest, element_size=4, num_files=3 * len(groups))
         self.grad_flat = self.empty(total, torch.float32)
         self.grad_flat.zero_()
         self.masters = []

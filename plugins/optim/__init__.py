@@ -2,8 +2,9 @@
 
 adam / adamw / sgd run torch's fused kernels (CUDA and CPU) or, where a kernel is
 missing, its multi-tensor foreach path; cpu_adam is our CPU Adam for offloaded
-shards; "auto" picks cpu_adam when the optimizer states live on the CPU while the
-model trains on a GPU, else adamw.
+shards, with Adam's moments in fp32, bf16 or block-quantised int8 (state_dtype); "auto"
+picks cpu_adam when the optimizer states live on the CPU while the model trains on a GPU
+(or are CPU states held below fp32), else adamw.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from zeroplug import hookimpl
 from zeroplug.errors import ConfigError
 from zeroplug.options import opt
+from zeroplug.quantized_states import state_bytes
 from zeroplug.slots import OptimizerFactory
 
 log = logging.getLogger("zeroplug")
@@ -40,10 +42,36 @@ class AdamBaseOptions:
     weight_decay: float = opt(0.0, "Weight decay (decoupled for adamw and adamw_mode, else L2).", min=0.0)
 
 
+STATE_DTYPE_HELP = (
+    "How Adam's two moments are held, per master element: \"fp32\" (8 bytes, exact), \"bf16\" (4 bytes: "
+    "rounded to nearest bf16 at every step) or \"int8\" (2 bytes + 8 per 256: block-quantised 8-bit codes with "
+    "one fp32 absmax per block of 256, bitsandbytes' 8-bit Adam format; signed dynamic code for the first "
+    "moment, unsigned for the second). The master weights stay fp32; cpu_adam steps the small states in "
+    "place, block by block. Needs cpu_adam (or auto) stepping offloaded states (offload.optimizer = cpu or "
+    "nvme, or a CPU-only run); the cpu tier's GPU lane and GPU-resident sub-groups step fp32 states, so "
+    "they are off with smaller ones. Checkpoints keep the states in this form; loading converts (docs/architecture.md, "
+    "\"Smaller optimizer states\"). DeepSpeed: optimizer.params.fp32_optimizer_states = false and "
+    "bf16.bf16_optimizer_states = true become \"bf16\".")
+
+
+
+def _state_dtype_refused(path: str, value: str, why: str) -> ConfigError:
+    return ConfigError(f"{path}.state_dtype = \"{value}\": {why}; set {path}.plugin = \"cpu_adam\" (or \"auto\") "
+                       f"with offload.optimizer.plugin = \"cpu\" or \"nvme\", or state_dtype = \"fp32\"",
+                       key=f"{path}.state_dtype")
+
+
 @dataclass(frozen=True)
 class AdamOptions(AdamBaseOptions):
     amsgrad: bool = opt(False, "Use the AMSGrad variant (GPU kernels only).")
     implementation: Literal["auto", "fused", "foreach"] = opt("auto", IMPLEMENTATION_HELP)
+    state_dtype: Literal["fp32", "bf16", "int8"] = opt(
+        "fp32", "adamw / adam keep fp32 states (torch's kernels); smaller states are cpu_adam's (its "
+                "state_dtype).")
+
+    def validate(self, path: str) -> None:
+        if self.state_dtype != "fp32":
+            raise _state_dtype_refused(path, self.state_dtype, "torch's Adam kernels step fp32 states only")
 
 
 class AdamW(OptimizerFactory):
@@ -89,6 +117,7 @@ class CPUAdamOptions(AdamBaseOptions):
                 "kernel (the same update, rounded differently in the last bits) until it is ready; \"wait\" "
                 "makes initialize wait for it (bitwise reproducible); \"auto\" = eager when training on a "
                 "GPU, wait on a CPU-only run (where the build and the steps share the cores).")
+    state_dtype: Literal["fp32", "bf16", "int8"] = opt("fp32", STATE_DTYPE_HELP)
 
     def validate(self, path: str) -> None:
         if self.amsgrad:
@@ -104,6 +133,10 @@ class CPUAdam(OptimizerFactory):
     @classmethod
     def grad_dtypes(cls, options, run, state_device):
         return (torch.float32, torch.bfloat16, torch.float16)    # widened inside its one pass
+
+    @classmethod
+    def state_bytes(cls, options, run, state_device):
+        return state_bytes(options.state_dtype)
 
     warm_up = None
     binding = None
@@ -145,7 +178,8 @@ class CPUAdam(OptimizerFactory):
         say(self.plan.describe())
         threads = self.plan.threads
         optimizer = Impl(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                         adamw_mode=o.adamw_mode, bias_correction=o.bias_correction, threads=threads)
+                         adamw_mode=o.adamw_mode, bias_correction=o.bias_correction, threads=threads,
+                         state_dtype=o.state_dtype)
         if self.warm_up is None:        # built outside initialize
             self.begin(device)
         self.warm_up.build(optimizer, *warm_up_variants(optimizer, self.run, threads))
@@ -174,29 +208,44 @@ def warm_up_variants(optimizer, run, threads: int) -> tuple[list, tuple]:
 
 
 class AutoOptimizer(OptimizerFactory):
-    """cpu_adam when the optimizer states are offloaded to the CPU, else adamw."""
+    """cpu_adam for CPU states offloaded from a GPU (or held below fp32: state_dtype), else adamw."""
     Options = CPUAdamOptions
     cpu_adam: CPUAdam | None = None
 
     @staticmethod
-    def _cpu_adam(run, state_device) -> bool:
-        """Whether this choice is cpu_adam: states offloaded to the CPU from a GPU run."""
-        return state_device.type == "cpu" and run.device.type != "cpu"
+    def _cpu_adam(run, state_device, options=None) -> bool:
+        """Whether this choice is cpu_adam: states offloaded to the CPU from a GPU run, or CPU
+        states held smaller than fp32 (only cpu_adam holds those)."""
+        small = options is not None and options.state_dtype != "fp32"
+        return state_device.type == "cpu" and (run.device.type != "cpu" or small)
 
     @classmethod
     def grad_dtypes(cls, options, run, state_device):
-        if cls._cpu_adam(run, state_device):
+        if cls._cpu_adam(run, state_device, options):
             return CPUAdam.grad_dtypes(options, run, state_device)
         return (torch.float32,)
 
+    @classmethod
+    def state_bytes(cls, options, run, state_device):
+        return state_bytes(options.state_dtype if cls._cpu_adam(run, state_device, options) else "fp32")
+
+    def _check_states(self, state_device) -> None:
+        if self.options.state_dtype != "fp32" and not self._cpu_adam(self.run, state_device, self.options):
+            raise _state_dtype_refused("optimizer", self.options.state_dtype,
+                                       "\"auto\" picks adamw here (the optimizer states stay on the GPU), "
+                                       "whose kernels step fp32 states only")
+
     def begin(self, state_device):
-        self.cpu_adam = CPUAdam(self.options, self.run) if self._cpu_adam(self.run, state_device) else None
+        self._check_states(state_device)
+        use = self._cpu_adam(self.run, state_device, self.options)
+        self.cpu_adam = CPUAdam(self.options, self.run) if use else None
         if self.cpu_adam is not None:
             self.cpu_adam.begin(state_device)
 
     def build(self, params, device):
         o = self.options
-        if self._cpu_adam(self.run, device):
+        self._check_states(device)
+        if self._cpu_adam(self.run, device, o):
             self.cpu_adam = self.cpu_adam or CPUAdam(o, self.run)
             return self.cpu_adam.build(params, device)
         return AdamW(AdamOptions(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay),

@@ -22,8 +22,14 @@ of guard and wrapper overhead).  Set ``ZEROPLUG_CPU_ADAM_IMPL=eager`` (or
 ``CPUAdam(..., impl="eager")``) to force the fallback; ``impl="compile"`` makes compile
 failures errors instead of warnings.
 
-This module and :mod:`.cpu_adam_kernels` import nothing else from zeroplug, so that the
-two files can be used on their own.
+``state_dtype`` ("fp32", "bf16", "int8") is how Adam's moments are held: fp32, bf16
+(rounded to nearest on every store), or block-quantised 8-bit codes with one fp32 absmax per
+256 elements (:mod:`zeroplug.quantized_states`; ``exp_avg`` int8 codes and
+``exp_avg_absmax``, ``exp_avg_sq`` uint8 codes and ``exp_avg_sq_absmax``). The step reads and
+writes them in that form; the master stays fp32.
+
+This module and :mod:`.cpu_adam_kernels` import nothing else from zeroplug but that state
+format, so that the files can be used on their own.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from typing import Callable, Iterable
 import torch
 
 from . import cpu_adam_kernels as kernels
-from .cpu_adam_kernels import compile_status, eager_update, scalars
+from .cpu_adam_kernels import STATE_KINDS, _eager_small_states, compile_status, compiled_call, eager_update, scalars
+from zeroplug.quantized_states import ABSMAX, BLOCK, dequantize, empty_state, is_codes, quantize
 
 __all__ = ["CPUAdam", "compile_status"]
 
@@ -46,6 +53,10 @@ _IMPLS = ("auto", "compile", "eager")
 _MIN_COMPILE_NUMEL = 1 << 16
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Note: the first moment takes either sign, the second never a negative one: int8 codes of
+# the signed table and uint8 codes of the unsigned one (zeroplug.quantized_states).
+_CODES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -72,6 +83,7 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         impl: str | None = None,
         threads: int | None = None,
+        state_dtype: str = "fp32",
     ) -> None:
         if amsgrad:
             raise ValueError(
@@ -90,6 +102,10 @@ class CPUAdam(torch.optim.Optimizer):
         if impl not in _IMPLS:
             raise ValueError(f"cpu_adam impl must be one of {_IMPLS}, got {impl!r}")
         self.impl = impl
+        if state_dtype not in STATE_KINDS:
+            raise ValueError(f"cpu_adam state_dtype must be one of {STATE_KINDS}, got {state_dtype!r}")
+        # how Adam's moments are held: fp32, bf16, or block-quantised 8-bit codes + per-block absmax
+        self.state_dtype = state_dtype
         # the compiled kernel's OpenMP threads when a call names none (None: torch's count)
         self.threads = int(threads) if threads else None
         defaults = dict(
@@ -105,6 +121,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("impl", "auto")
         self.__dict__.setdefault("threads", None)
+        self.__dict__.setdefault("state_dtype", "fp32")
         self._group_of = {}
         self._tls = threading.local()
         self._state_lock = threading.Lock()
@@ -139,11 +156,58 @@ class CPUAdam(torch.optim.Optimizer):
             with self._state_lock:
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        p, memory_format=torch.contiguous_format
-                    )
+                    for key in _MOMENTS:
+                        if self.state_dtype == "int8":
+                            codes, absmax = empty_state(p.numel(), _CODES[key])
+                            state[key] = codes.view(p.shape)
+                            state[key + ABSMAX] = absmax
+                        else:
+                            dt = torch.bfloat16 if self.state_dtype == "bf16" else torch.float32
+                            state[key] = torch.zeros_like(p, dtype=dt, memory_format=torch.contiguous_format)
         return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then every moment converted to this optimizer's ``state_dtype``:
+        fp32 / bf16 values are rounded (bf16), widened (fp32) or block-quantised (int8);
+        block-quantised ones are decoded (fp32, bf16).
+
+        Note: torch casts every tensor state of a floating parameter to the parameter's dtype
+        as it loads (8-bit codes would become floats, and a state whose storage an nvme tier
+        has freed would be read), so the tensors go past it and are put in place here."""
+        held = {pid: {k: v for k, v in st.items() if k != "step" and torch.is_tensor(v)}
+                for pid, st in state_dict["state"].items()}
+        rest = {pid: {k: v for k, v in st.items() if k not in held[pid]} for pid, st in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": rest})
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            if held.get(pid):
+                self.state[p].update({k: v.to(device=p.device) for k, v in held[pid].items()})
+        for p, state in self.state.items():
+            self.convert_state(p, state)
+
+    def convert_state(self, p: torch.Tensor, state: dict) -> None:
+        """``state``'s moments, in whatever form, held as this optimizer's ``state_dtype``."""
+        for key in _MOMENTS:
+            cur = state.get(key)
+            if not torch.is_tensor(cur):
+                continue
+            absmax = state.pop(key + ABSMAX, None)
+            if is_codes(cur):
+                if absmax is None:
+                    raise ValueError(f"cpu_adam: state {key!r} holds 8-bit codes without {key + ABSMAX!r}")
+                if self.state_dtype == "int8" and cur.dtype == _CODES[key]:
+                    state[key + ABSMAX] = absmax
+                    continue
+                cur = dequantize(cur.reshape(-1), absmax).view(p.shape)
+            if self.state_dtype == "int8":
+                codes, absmax = quantize(cur, _CODES[key])
+                state[key] = codes.view(p.shape)
+                state[key + ABSMAX] = absmax
+            else:
+                dt = torch.bfloat16 if self.state_dtype == "bf16" else torch.float32
+                state[key] = cur.to(dt, memory_format=torch.contiguous_format)
 
     def _wants_compiled(self, grad_dtype, lp_out, grad_scale, numel) -> bool:
         if self.impl == "eager" or numel < _MIN_COMPILE_NUMEL:
@@ -152,7 +216,8 @@ class CPUAdam(torch.optim.Optimizer):
             return True
         # auto: a plain fp32 step is already one pass in ATen's fused kernel (measured
         # equal to the compiled kernel); compile only where a conversion / copy is fused.
-        return grad_dtype != torch.float32 or lp_out is not None or grad_scale != 1.0
+        return (grad_dtype != torch.float32 or lp_out is not None or grad_scale != 1.0
+                or self.state_dtype != "fp32")
 
     def implementation(
         self, grad_dtype=torch.float32, lp_dtype=None, numel=1 << 20, grad_scale=1.0,
@@ -167,9 +232,14 @@ class CPUAdam(torch.optim.Optimizer):
             return "eager"
         if adamw_mode is None:
             adamw_mode = bool(self.param_groups[0]["adamw_mode"])
-        key = (adamw_mode, grad_dtype, lp_dtype)
+        key = self._key(adamw_mode, grad_dtype, lp_dtype)
         fn = kernels.COMPILED.get(key, strict=self.impl == "compile", threads=self.threads)
         return "compile" if fn is not None else "eager"
+
+    def _key(self, adamw: bool, grad_dtype, lp_dtype) -> tuple:
+        """The compiled variant's key: (adamw, grad dtype, lp dtype[, state kind unless fp32])."""
+        key = (bool(adamw), grad_dtype, lp_dtype)
+        return key if self.state_dtype == "fp32" else key + (self.state_dtype,)
 
     def kernel_variants(self, grad_dtypes, lp_dtype) -> list[tuple]:
         """The compiled variants (adamw, grad dtype, lp dtype) that steps with these dtypes
@@ -181,7 +251,7 @@ class CPUAdam(torch.optim.Optimizer):
             return []           # every call takes the eager path (compiled-call overhead)
         modes = sorted({bool(g["adamw_mode"]) for g in self.param_groups})
         lp = torch.empty(0, dtype=lp_dtype) if lp_dtype is not None else None
-        return [(m, g, lp_dtype) for m in modes for g in dict.fromkeys(grad_dtypes)
+        return [self._key(m, g, lp_dtype) for m in modes for g in dict.fromkeys(grad_dtypes)
                 if self._wants_compiled(g, lp, 0.5, _MIN_COMPILE_NUMEL)]
 
     def warm_up(self, keys, thread_counts=(None,)) -> dict:
@@ -274,8 +344,7 @@ class CPUAdam(torch.optim.Optimizer):
         fn = None
         threads = threads or self.threads
         if self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
-            key = (bool(group["adamw_mode"]), grad.dtype,
-                   lp_out.dtype if lp_out is not None else None)
+            key = self._key(group["adamw_mode"], grad.dtype, lp_out.dtype if lp_out is not None else None)
             fn = kernels.COMPILED.get(key, strict=self.impl == "compile", threads=threads)
         state = self._init_state(p)
         step_t = state["step"]
@@ -297,17 +366,30 @@ class CPUAdam(torch.optim.Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         mf, mc = _flat(m)
         vf, vc = _flat(v)
-        if pieces is not None:      # one kernel call per piece, the same step for all
+        if self.state_dtype == "int8":
+            st = (mf, state["exp_avg" + ABSMAX], vf, state["exp_avg_sq" + ABSMAX])
+        else:
+            st = (mf, vf)
+        if pieces is not None and self.state_dtype == "int8":
+            # Note: the codes' blocks run across the pieces' borders, so the step is one call
+            # over the whole sub-group and the pieces are copied from the updated master.
+            self._kernel(fn, pf, gf, st, None, step_t, hp, bias_correction, grad_scale)
+            s0 = 0
+            for t in pieces:
+                t.view(-1).copy_(pf[s0:s0 + t.numel()])
+                s0 += t.numel()
+            lp_out, lpc = None, True
+        elif pieces is not None:    # one kernel call per piece, the same step for all
             lp_out, lpc, s0 = None, True, 0
             for t in pieces:
                 e = s0 + t.numel()
                 small = t.numel() < _MIN_COMPILE_NUMEL and self.impl != "compile"  # call overhead
-                self._kernel(None if small else fn, pf[s0:e], gf[s0:e], mf[s0:e], vf[s0:e], t.view(-1), step_t, hp,
-                             bias_correction, grad_scale)
+                self._kernel(None if small else fn, pf[s0:e], gf[s0:e], tuple(x[s0:e] for x in st),
+                             t.view(-1), step_t, hp, bias_correction, grad_scale)
                 s0 = e
         else:
             lpf, lpc = _flat(lp_out) if lp_out is not None else (None, True)
-            self._kernel(fn, pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale)
+            self._kernel(fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale)
         # Non-contiguous tensors were stepped through contiguous copies: write back.
         if not pc:
             p.detach().copy_(pf.view_as(p))
@@ -318,28 +400,36 @@ class CPUAdam(torch.optim.Optimizer):
         if not lpc:
             lp_out.copy_(lpf.view_as(lp_out))
 
-    def _kernel(self, fn, pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale) -> None:
-        """The update of flat contiguous views: compiled ``fn`` or, failing that, eager."""
+    def _kernel(self, fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale) -> None:
+        """The update of flat contiguous views (``st``: the moments, as ``compiled_call``
+        takes them): compiled ``fn`` or, failing that, eager. For block-quantised moments the
+        compiled kernel steps the whole blocks and the eager path the last, shorter one."""
+        done = 0
         if fn is not None:
             sc = scalars(hp, float(step_t.item()), bias_correction, grad_scale)
             try:
-                if lpf is not None:
-                    fn(pf, gf, mf, vf, lpf, sc)
-                else:
-                    fn(pf, gf, mf, vf, sc)
+                done = compiled_call(fn, self.state_dtype, pf, gf, st, lpf, sc)
             except Exception as e:  # a (re)compilation failed: nothing was written yet
                 if self.impl == "compile":
                     raise
-                key = (hp["adamw"], gf.dtype, lpf.dtype if lpf is not None else None)
+                key = self._key(hp["adamw"], gf.dtype, lpf.dtype if lpf is not None else None)
                 kernels.COMPILED.failed(key, e)
                 warnings.warn(f"cpu_adam: compiled kernel failed ({e!r:.300}); using eager",
                               RuntimeWarning, stacklevel=3)
-                fn = None
-        if fn is None:
-            scratch = getattr(self._tls, "scratch", None)
-            if scratch is None:
-                scratch = self._tls.scratch = {}
-            eager_update(pf, gf, mf, vf, lpf, step_t, hp, bias_correction, grad_scale, scratch)
+                done = 0
+        if done == pf.numel():
+            return
+        scratch = getattr(self._tls, "scratch", None)
+        if scratch is None:
+            scratch = self._tls.scratch = {}
+        if self.state_dtype == "fp32":
+            eager_update(pf, gf, st[0], st[1], lpf, step_t, hp, bias_correction, grad_scale, scratch)
+            return
+        if done:     # int8: the tail after the whole blocks (its absmax is the next one)
+            b = done // BLOCK
+            st = (st[0][done:], st[1][b:], st[2][done:], st[3][b:])
+            pf, gf, lpf = pf[done:], gf[done:], lpf[done:] if lpf is not None else None
+        _eager_small_states(pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale, scratch, self.state_dtype)
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -342,7 +342,7 @@ def _build_in_child(keys, thread_counts, cache_dir: str) -> subprocess.Popen | N
     """Start ``python -m zeroplug.plugins.optim.cpu_adam_warmup`` on these variants, in a
     session of its own (it finishes the build if this process ends first), writing to the
     build log in ``cache_dir``; None if it cannot be started (this process builds instead)."""
-    spec = json.dumps({"keys": [[bool(a), str(g), None if lp is None else str(lp)] for a, g, lp in keys],
+    spec = json.dumps({"keys": [[bool(k[0]), str(k[1]), None if k[2] is None else str(k[2]), *k[3:]] for k in keys],
                        "threads": list(thread_counts)})
     try:
         logf = os.fdopen(open_append(os.path.join(cache_dir, BUILD_LOG)), "a")
@@ -373,9 +373,9 @@ def main(argv=None) -> int:
     except (AttributeError, OSError):
         pass
     spec = json.loads((argv or sys.argv[1:])[0])
-    keys = [(a, _dtype(g), _dtype(lp)) for a, g, lp in spec["keys"]]
+    keys = [(k[0], _dtype(k[1]), _dtype(k[2]), *k[3:]) for k in spec["keys"]]
     from .cpu_adam import CPUAdam
-    opt = CPUAdam([torch.zeros(1)], lr=1e-3)
+    opt = CPUAdam([torch.zeros(1)], lr=1e-3)     # builds any state kind: the keys name it
     w = WarmUp(opt, keys, spec["threads"]).start()
     w.wait()
     return 0 if w.error is None else 1

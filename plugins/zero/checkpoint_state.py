@@ -7,6 +7,8 @@ import torch
 
 from zeroplug.checkpoint import CheckpointError
 
+from .state_blocks import codes_buffers
+
 # optimizer hyper-parameters that a checkpoint does not override: lr follows the
 # schedule; the rest choose kernels, which the current config decides
 GROUP_KEYS_KEPT = {"params", "lr", "fused", "foreach", "capturable", "differentiable"}
@@ -81,7 +83,11 @@ def install_optimizer_state(optimizer, masters, new_state, scalars, keys, groups
         for k, t in enumerate(masters):
             st = new_state[k]
             for key, dt in keys.items():
-                if key not in st:          # a master that is only padding on this rank
+                if key in st:
+                    continue
+                if dt in ("int8", "uint8"):     # a master that is only padding on this rank
+                    codes_buffers(optimizer, t, key, getattr(torch, dt), st)
+                else:
                     st[key] = state_buffer(optimizer, t, key, getattr(torch, dt)).zero_()
             for key, v in scalars.items():
                 st[key] = v.clone() if torch.is_tensor(v) else v

@@ -46,6 +46,7 @@ from zeroplug.checkpoint import CheckpointError, piece_view
 from .checkpoint_state import (
     check_covered, check_model, check_optimizer, install_optimizer_state, state_buffer,
 )
+from .state_blocks import Plan, codes_buffers, decode, fill_exact, is_absmax, piece_blocks, source
 
 log = logging.getLogger("zeroplug")
 
@@ -179,6 +180,9 @@ def _piece_states(seg: Segment, masters, states, alias: bool) -> dict:
     opt = {key: piece_view(v.view(-1)[seg.mloc:seg.mloc + n]) for key, v in st.items() if _elementwise(v, t)}
     if opt:
         out["optim"] = opt
+        blocks = piece_blocks(st, seg.mloc, n)      # block-quantised states: their blocks' absmax
+        if blocks is not None:
+            out["blocks"] = blocks
     return out
 
 
@@ -227,7 +231,8 @@ def export_state(part, optimizer=None, parts=None) -> dict:
         for t in masters:
             st = states.get(t) or {}
             if st:
-                out["optim_scalars"] = {k: v for k, v in st.items() if not _elementwise(v, t)}
+                out["optim_scalars"] = {k: v for k, v in st.items()
+                                        if not _elementwise(v, t) and not is_absmax(st, k)}
                 out["optim_keys"] = {k: _dtype_name(v.dtype) for k, v in st.items() if _elementwise(v, t)}
                 break
         if optimizer is not None and optimizer.param_groups:    # hyper-parameters: the same in every group
@@ -260,14 +265,15 @@ def import_state(part, states, optimizer=None, load_master: bool = True,
     where = repr(str(getattr(states, "path", "")))
     check_model(states.meta, checkpoint_meta(part), where)
     want_opt = load_optimizer_states and optimizer is not None
-    _walk(part, states, optimizer, load_master, want_opt, where, dry=True)
+    plan = Plan()       # block-quantised states: which load as they are (decided by the first walk)
+    _walk(part, states, optimizer, load_master, want_opt, where, True, plan)
     commit = getattr(states, "commit", None)
     if commit is not None and not getattr(states, "committed", False):
         commit()
-    _walk(part, states, optimizer, load_master, want_opt, where, dry=False)
+    _walk(part, states, optimizer, load_master, want_opt, where, False, plan)
 
 
-def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str, dry: bool) -> None:
+def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str, dry: bool, plan: Plan) -> None:
     """One walk over the checkpoint's files (see :func:`import_state`): ``dry`` checks
     without changing anything."""
     segs = segments(part)
@@ -304,14 +310,27 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
         if want_opt:
             for key, t in full.get("optim", {}).items():
                 opt_filled[(seg.k, key)] = opt_filled.get((seg.k, key), 0) + (y - x)
+                blocks = source(full, key, t, where)        # block-quantised: (absmax, phase)
+                m0 = seg.mloc + d0
                 if dry:
                     if opt_seen.setdefault(key, t.dtype) != t.dtype:
                         raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} of {name!r} is "
                                               f"{t.dtype}, elsewhere {opt_seen[key]}")
+                    if blocks is not None:
+                        plan.check(seg.k, key, masters[seg.k], m0, blocks, src.start, y - x)
+                    continue
+                if blocks is not None and plan.exact(seg.k, key):
+                    if key not in st:
+                        codes_buffers(optimizer, masters[seg.k], key, t.dtype, st)
+                    fill_exact(st, key, t, blocks, src.start, src.stop, m0)
+                    continue
+                if blocks is not None:      # blocks cut differently now: decoded, encoded again later
+                    if key not in st:
+                        st[key] = state_buffer(optimizer, masters[seg.k], key, torch.float32)
+                    st[key].view(-1)[m0:m0 + (y - x)].copy_(decode(t, *blocks, src.start, src.stop))
                     continue
                 if key not in st:
                     st[key] = state_buffer(optimizer, masters[seg.k], key, t.dtype)
-                m0 = seg.mloc + d0
                 st[key][m0:m0 + (y - x)].copy_(t[src])
 
     def take(rank: int, model: dict) -> None:
@@ -394,7 +413,7 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
             states.release()
         elif streamed:
             _fill_streamed(part, states, optimizer, later, new_state, fill, keys if want_opt else {},
-                          load_master, shard_in)
+                          load_master, shard_in, plan)
         if want_opt:
             need: dict[int, int] = {}
             for s in segs:
@@ -422,7 +441,7 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
 
 
 def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, load_master: bool,
-                  shard_in) -> None:
+                  shard_in, plan: Plan) -> None:
     """A tier that keeps states out of memory: each sub-group in memory in turn (brought in,
     filled, published to the model-dtype shards, written back), so loading holds one
     sub-group's states at a time."""
@@ -440,7 +459,11 @@ def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, 
         with tier.import_(k, optimizer):
             st = new_state[k]
             for key, dt in keys.items():        # every state the checkpoint has, also for padding
-                st[key] = state_buffer(optimizer, t, key, getattr(torch, dt))
+                if dt in ("int8", "uint8") and plan.exact(k, key):
+                    codes_buffers(optimizer, t, key, getattr(torch, dt), st)
+                else:
+                    st[key] = state_buffer(optimizer, t, key, torch.float32 if dt in ("int8", "uint8")
+                                           else getattr(torch, dt))
             for (kind, ref, i), seg, name, a, b, x, y in sorted(later[k], key=lambda e: e[0]):
                 # file by file: each part file (or rank file) is mapped once per sub-group
                 pc = {"start": a, "end": b, "part": ref} if kind == 0 else states.rank_piece(ref, name, i)
@@ -448,8 +471,12 @@ def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, 
                 del pc
             states.release()                    # unmapped before the next sub-group comes in
             if st:      # the optimizer holds them before the block ends: written out with the master
+                convert = getattr(optimizer, "convert_state", None)
+                if convert is not None:         # in the optimizer's own form (state_dtype) before it goes out
+                    convert(t, st)
                 cur = optimizer.state[t]
-                for key in [key for key, v in cur.items() if _elementwise(v, t) and key not in st]:
+                for key in [key for key, v in cur.items()
+                            if (_elementwise(v, t) or is_absmax(cur, key)) and key not in st]:
                     del cur[key]                # a state the checkpoint does not have
                 cur.update(st)
             for u in units[k]:

@@ -159,7 +159,7 @@ RANK_MUTATIONS = {
     "piece-missing": (lambda o: o["model"]["pieces"][_first(o)[0]].pop(0), "this rank needs"),
     "unknown-param": (lambda o: o["model"]["pieces"].update(evil=[]), "field model.pieces['evil'] is not a parameter"),
     "scalar-inf": (_set(("model", "optim_scalars", "step"), torch.tensor(math.inf)), "not a finite number"),
-    "optim-key-dtype": (_set(("model", "optim_keys", "exp_avg"), "int8"), "optim_keys['exp_avg'] = 'int8'"),
+    "optim-key-dtype": (_set(("model", "optim_keys", "exp_avg"), "int16"), "optim_keys['exp_avg'] = 'int16'"),
     "optim-key-list": (_set(("model", "optim_keys", "exp_avg"), ["x"]), "optim_keys['exp_avg'] = ['x']"),
     "group-betas": (lambda o: o["model"]["optim_groups"][0].update(betas="abc"), "betas = 'abc': not a list of 2"),
     "scale-nan": (_set(("precision", "scale"), math.nan), "field precision.scale = nan: not a finite number"),
