@@ -42,7 +42,7 @@ from typing import Callable, Iterable
 import torch
 
 from . import cpu_adam_kernels as kernels
-from .cpu_adam_kernels import STATE_KINDS, _eager_small_states, compile_status, compiled_call, eager_update, scalars
+from .cpu_adam_kernels import STATE_KINDS, compile_status, compiled_call, eager_small_states, eager_update, scalars
 from zeroplug.quantized_states import ABSMAX, BLOCK, dequantize, empty_state, is_codes, quantize
 
 __all__ = ["CPUAdam", "compile_status"]
@@ -429,7 +429,7 @@ class CPUAdam(torch.optim.Optimizer):
             b = done // BLOCK
             st = (st[0][done:], st[1][b:], st[2][done:], st[3][b:])
             pf, gf, lpf = pf[done:], gf[done:], lpf[done:] if lpf is not None else None
-        _eager_small_states(pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale, scratch, self.state_dtype)
+        eager_small_states(pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale, scratch, self.state_dtype)
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -462,7 +462,7 @@ def _probe(fn: Callable, adamw: bool, gdt: torch.dtype, lpdt: torch.dtype | None
         if state == "fp32":
             eager_update(ref[0], g, ref[1], ref[2], ref_lp, step, hp, True, 0.5, scratch)
         else:
-            _eager_small_states(ref[0], g, ref[1:], ref_lp, step, hp, True, 0.5, scratch, state)
+            eager_small_states(ref[0], g, ref[1:], ref_lp, step, hp, True, 0.5, scratch, state)
 
     with torch.no_grad():
         compiled()
@@ -532,7 +532,7 @@ def compiled_call(fn, state: str, p, g, st, lp, sc) -> int:
     return full
 
 
-def _eager_small_states(p, g, st, lp, step_t, hp, bias_correction, grad_scale, scratch, state: str) -> None:
+def eager_small_states(p, g, st, lp, step_t, hp, bias_correction, grad_scale, scratch, state: str) -> None:
     """fp32 ``p`` with moments ``st`` in bf16 ((m, v)) or block-quantised ((m codes, m absmax,
     v codes, v absmax)): walked in chunks of whole blocks, each chunk's moments widened into
     fp32 scratch, stepped by ATen's fused kernel and rounded (bf16) or encoded (int8) back."""

@@ -35,13 +35,13 @@ def main() -> int:
         p = torch.randn(n)
         opt = CPUAdam([p], lr=1e-4, weight_decay=0.1, impl=a.impl, state_dtype=form)
         opt.init_group_states(0)
-        opt.step_param(p, grad=g, lp_out=lp, grad_scale=0.5)       # compiles / loads the kernel
+        opt.step_param(p, grad=g, lp_out=lp, grad_multiplier=0.5)       # compiles / loads the kernel
         runs[form] = (opt, p)
     times = {form: [] for form in runs}
     for _ in range(a.repeats):
         for form, (opt, p) in runs.items():
             t = time.perf_counter()
-            opt.step_param(p, grad=g, lp_out=lp, grad_scale=0.5)
+            opt.step_param(p, grad=g, lp_out=lp, grad_multiplier=0.5)
             times[form].append(time.perf_counter() - t)
     print(f"cpu_adam offload update, {n:,} elements, {torch.get_num_threads()} threads, impl={a.impl}, "
           f"median of {a.repeats}")

@@ -107,7 +107,7 @@ def test_int8_with_bf16_gradients_scale_and_lp_pieces():
     mc, ma, vc, va = _state_from(opt, p)
     p0 = p.clone()
     pieces = [torch.empty(k, dtype=torch.bfloat16) for k in (300, 1, 700, n - 1001)]
-    opt.step_param(p, grad=g, lp_out=pieces, grad_scale=0.25)
+    opt.step_param(p, grad=g, lp_out=pieces, grad_multiplier=0.25)
     rp, _, _ = ref_step(p0, g.float() * 0.25, ref_decode(mc, ma), ref_decode(vc, va), 1, HP["lr"], HP["betas"],
                         HP["eps"], HP["weight_decay"])
     torch.testing.assert_close(p, rp, rtol=1e-5, atol=1e-6)
