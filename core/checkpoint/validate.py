@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from ..quantized_states import BLOCK
+from ..quantized_states import CODE_DTYPES as CODE_DTYPE_LIST
 from .files import FORMAT, VERSION, CheckpointError, plain_name
 
 log = logging.getLogger("zeroplug")
@@ -31,8 +33,7 @@ COUNTERS = ("global_step", "micro_step", "skipped_steps", "lr_step")
 MODEL_KEYS = {"pieces", "optim_scalars", "optim_keys", "optim_groups", "extras"}
 PIECE_KEYS = {"start", "end", "param", "master", "optim", "blocks", "part"}
 #: 8-bit codes of block-quantised optimizer states (zeroplug.quantized_states), with their absmax
-CODE_DTYPES = {"int8": torch.int8, "uint8": torch.uint8}
-BLOCK = 256
+CODE_DTYPES = {str(d).replace("torch.", ""): d for d in CODE_DTYPE_LIST}
 PART_KEYS = {"format", "version", "rank", "part", "pieces"}
 
 

@@ -36,7 +36,7 @@ def command(mode: str, dtype: str) -> list[str]:
     if mode == "cpu":
         return base + ["--steps", "300", "--device", "cpu", "--optimizer.plugin=cpu_adam"]
     return base + ["--steps", "200", "--device", "cuda", "--model", "1.3B", "--seq", "1024",
-                   "--batch.micro_batch_size=8", "--batch.gradient_clipping=1.0", "--batch.steps_per_print=10",
+                   "--activation-checkpointing", "--batch.micro_batch_size=8", "--batch.gradient_clipping=1.0", "--batch.steps_per_print=10",
                    "--precision.plugin=bf16", "--zero.plugin=stage2", "--offload.optimizer.plugin=cpu",
                    "--optimizer.plugin=auto", "--optimizer.lr=1e-4", "--scheduler.plugin=none"]
 
