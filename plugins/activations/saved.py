@@ -67,6 +67,10 @@ class HostActivations:
     """The pack and unpack hooks, and their bookkeeping, for one engine."""
 
     def __init__(self, device: torch.device, pin_memory: bool, buffer_count: int, min_bytes: int):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # Note: tensors name their index ("cuda:0"), and torch.device("cuda") equals none of them
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.lanes = CopyLanes(device, pin_memory)
         self.buffer_count = buffer_count
