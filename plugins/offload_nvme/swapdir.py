@@ -34,7 +34,7 @@ import signal
 import stat
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from zeroplug.errors import ConfigError
 from zeroplug.trust import HeldDir, UntrustedDirError, printable
@@ -43,8 +43,6 @@ from zeroplug.observe.memory import GB
 
 from .errors import SwapPathError, explain
 
-if TYPE_CHECKING:
-    from .swapper import AsyncSwapper
 
 log = logging.getLogger("zeroplug")
 
@@ -329,7 +327,15 @@ def make_run_dir(base: str) -> RunDir:
     raise SwapPathError(f"NVMe swap: could not create a unique directory under {base}", base)
 
 
-_LIVE: dict[int, "AsyncSwapper"] = {}
+class LiveSwapper(Protocol):
+    """What the exit and signal handlers need of a swapper whose directory lives (AsyncSwapper)."""
+
+    def remove_dir(self, fast: bool = False) -> None: ...
+
+    def close(self, wait: bool = True) -> None: ...
+
+
+_LIVE: dict[int, LiveSwapper] = {}
 _LIVE_LOCK = threading.Lock()
 _HANDLER_STATE: dict[str, Any] = {"installed": False, "previous": None, "exiting": False}
 
