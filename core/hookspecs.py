@@ -94,6 +94,27 @@ def zeroplug_register_activations(register):
     """
 
 
+@hookspec
+def zeroplug_model_presets():
+    """Called by ``zeroplug estimate`` / ``zeroplug tune`` (and ``zeroplug.tools.probe.load_spec``)
+    to name the models ``--model`` accepts. Returns ``{name: spec(checkpointing)}``, where
+    ``spec`` returns a :class:`zeroplug.tools.probe.ModelSpec` (how to build the model at a
+    given depth, its vocabulary and longest sequence), or None. The built-in ``workload``
+    plugin names the reference GPT's presets.
+    """
+
+
+@hookspec
+def zeroplug_add_commands(subparsers):
+    """Called once while the ``zeroplug`` command line is built, with argparse's
+    ``subparsers``: a plugin adds its own subcommands, each with ``set_defaults(fn=...)``
+    (``fn(args, overrides)``, overrides the command line's ``--section.key=value`` items, returns
+    the exit status; a :class:`zeroplug.ZeroplugError` it raises is
+    printed as one ``error:`` line, exit 2). The built-in ``workload`` plugin adds ``train``.
+    Returns nothing.
+    """
+
+
 # --- lifecycle ---------------------------------------------------------------
 
 @hookspec

@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 import zeroplug
-from zeroplug.workload.data import stdlib_corpus
+from zeroplug.plugins.workload.data import stdlib_corpus
 from zeroplug.integrations.transformers import ZeroplugTrainer
 
 STAGE3 = {"zero": {"plugin": "stage3"}}

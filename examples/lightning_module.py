@@ -19,9 +19,9 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from zeroplug.workload.data import stdlib_corpus
+from zeroplug.plugins.workload.data import stdlib_corpus
 from zeroplug.integrations.lightning import ZeroplugStrategy
-from zeroplug.workload.models import GPT, get_preset
+from zeroplug.plugins.workload.models import GPT, get_preset
 
 STAGE3 = {"zero": {"plugin": "stage3"}}
 

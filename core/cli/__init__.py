@@ -1,7 +1,7 @@
 """``zeroplug train | export | plugins | estimate | tune | report | convert | docs``.
 
 A front end over the public API, outside the core: ``train`` is the demo's loop
-(:mod:`zeroplug.workload.train`), ``tune`` and ``report`` live in :mod:`zeroplug.tools`.
+(the built-in ``workload`` plugin, through ``zeroplug_add_commands``), ``tune`` and ``report`` live in :mod:`zeroplug.tools`.
 Config precedence everywhere: command line (``--section.key=value``) > file > defaults.
 Every configuration mistake prints ``error: ...`` and exits 2, without a traceback.
 """
@@ -185,8 +185,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zeroplug", description="Plugin-based ZeRO training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
-    from zeroplug.workload import train
-    train.add_parser(sub)            # the demo's loop (zeroplug.workload), outside the core
+    from zeroplug.registry import get_plugin_manager
+    get_plugin_manager().hook.zeroplug_add_commands(subparsers=sub)    # train: the workload plugin
     x = sub.add_parser("export", help="write a checkpoint's consolidated model state dict (.pt or .safetensors)")
     x.add_argument("checkpoint", help="a checkpoint directory (its 'latest' tag) or one tag's directory")
     x.add_argument("out", help="output file (.safetensors, or .pt / .bin for torch.save's format) or a directory")

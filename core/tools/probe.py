@@ -73,13 +73,13 @@ class ModelSpec:
         return make
 
 
-def _preset(name: str, checkpointing: bool) -> ModelSpec:
-    from zeroplug.workload.models import GPT, get_preset
-    cfg = get_preset(name, activation_checkpointing=checkpointing)
-
-    def build(layers):
-        return GPT(cfg.with_(n_layer=layers) if layers else cfg)
-    return ModelSpec(name, build, cfg.n_layer, cfg.vocab_size, hf=False, max_seq=cfg.seq_len)
+def presets() -> dict:
+    """The model presets the plugins name (``zeroplug_model_presets``), by name."""
+    from zeroplug.registry import get_plugin_manager
+    found: dict = {}
+    for answer in get_plugin_manager().hook.zeroplug_model_presets():
+        found.update(answer or {})
+    return found
 
 
 def _hf_config(path: Path, checkpointing: bool) -> ModelSpec:
@@ -138,9 +138,9 @@ def _function(text: str, vocab_size: int | None) -> ModelSpec:
 
 def load_spec(text: str, checkpointing: bool = True, vocab_size: int | None = None) -> ModelSpec:
     """A preset name, a path to a Hugging Face config.json, or ``module:function``."""
-    from zeroplug.workload.models import PRESETS
-    if text in PRESETS:
-        return _preset(text, checkpointing)
+    named = presets()
+    if text in named:
+        return named[text](checkpointing)
     p = Path(text)
     if p.is_dir() and (p / "config.json").is_file():
         p = p / "config.json"
@@ -150,7 +150,7 @@ def load_spec(text: str, checkpointing: bool = True, vocab_size: int | None = No
         return _hf_config(p, checkpointing)
     if ":" in text:
         return _function(text, vocab_size)
-    raise ZeroplugError(f"--model {text}: not a preset ({', '.join(PRESETS)}), a config.json or "
+    raise ZeroplugError(f"--model {text}: not a preset ({', '.join(named) or 'none installed'}), a config.json or "
                         "module:function")
 
 

@@ -31,7 +31,7 @@ def row(args) -> dict:
     import torch
 
     import zeroplug
-    from zeroplug.workload.models import GPT, get_preset
+    from zeroplug.plugins.workload.models import GPT, get_preset
 
     cuda = torch.cuda.is_available()       # else a smoke run on the CPU (no memory figures)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

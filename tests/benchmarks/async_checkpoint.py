@@ -33,7 +33,7 @@ import time
 import torch
 
 import zeroplug
-from zeroplug.workload.models import GPT, get_preset, param_count
+from zeroplug.plugins.workload.models import GPT, get_preset, param_count
 
 
 def _config(args) -> dict:

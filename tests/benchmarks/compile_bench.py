@@ -50,7 +50,7 @@ def compile_blocks(model) -> None:
 
 def row(label: str, model_name: str, device, steps: int, warmup: int) -> dict:
     from zeroplug.benchmarking.measure import make_runner, release, sync
-    from zeroplug.workload.models import GPT, get_preset
+    from zeroplug.plugins.workload.models import GPT, get_preset
     cfg = get_preset(model_name, activation_checkpointing=True)
 
     def build():

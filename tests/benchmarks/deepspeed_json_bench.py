@@ -35,7 +35,7 @@ import torch
 
 import zeroplug
 from zeroplug.observe.memory import GB
-from zeroplug.workload.models import GPT, get_preset
+from zeroplug.plugins.workload.models import GPT, get_preset
 
 CONFIGS = Path(__file__).parent / "deepspeed_configs"
 ROWS = {  # name: (JSON, what, DeepSpeed 0.19.8 on one H100, on 2 x H200 per GPU)

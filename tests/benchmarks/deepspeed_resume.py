@@ -5,7 +5,7 @@ On a CUDA host where ``import deepspeed`` works, from the repository root::
     torchrun --nproc-per-node 2 tests/benchmarks/deepspeed_resume.py --stage 2 --out /tmp/ds_resume
     torchrun --nproc-per-node 2 tests/benchmarks/deepspeed_resume.py --stage 3 --out /tmp/ds_resume
 
-1. DeepSpeed (ZeRO ``--stage``, bf16, AdamW) trains a small GPT (zeroplug.workload) for
+1. DeepSpeed (ZeRO ``--stage``, bf16, AdamW) trains a small GPT (zeroplug.plugins.workload) for
    ``--steps`` steps and saves a checkpoint (``<out>/ds_stage<S>/global_step<N>``);
 2. DeepSpeed continues ``--more`` steps: the reference losses;
 3. a fresh model (other initial values) is wrapped by zeroplug (``--zp-stage``, default the
@@ -54,19 +54,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(a):
-    from zeroplug.workload.models import get_preset
+    from zeroplug.plugins.workload.models import get_preset
     return get_preset("char-tiny", seq_len=a.seq, n_layer=a.layers, d_model=a.width, n_head=max(1, a.width // 64))
 
 
 def build_model(a, seed: int):
-    from zeroplug.workload.models import GPT
+    from zeroplug.plugins.workload.models import GPT
     torch.manual_seed(seed)
     return GPT(model_config(a))
 
 
 def global_batches(a, n: int) -> list:
     """``n`` global batches (the same on every rank and for both runs)."""
-    from zeroplug.workload.data import ByteBatches, stdlib_corpus
+    from zeroplug.plugins.workload.data import ByteBatches, stdlib_corpus
     src = ByteBatches(stdlib_corpus(2_000_000), a.global_batch, a.seq, seed=1234)
     return [next(src) for _ in range(n)]
 

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from zeroplug.workload.data import ByteBatches, stdlib_corpus
-from zeroplug.workload.models import GPT, get_preset
+from zeroplug.plugins.workload.data import ByteBatches, stdlib_corpus
+from zeroplug.plugins.workload.models import GPT, get_preset
 
 
 def builtin_job(steps: int, seq: int, max_bytes, micro_batch: int, seed: int = 0):

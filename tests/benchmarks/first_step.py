@@ -83,7 +83,7 @@ class Sampler(threading.Thread):
 
 def build(system: str, model_name: str, device, ds_set=(), overrides=()):
     from zeroplug.benchmarking.measure import make_runner
-    from zeroplug.workload.models import GPT, get_preset
+    from zeroplug.plugins.workload.models import GPT, get_preset
     mcfg = get_preset(model_name, activation_checkpointing=True)
 
     def model():

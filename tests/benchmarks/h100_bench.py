@@ -26,7 +26,7 @@ import torch
 
 import zeroplug
 from zeroplug.observe.memory import GB, host_rss_bytes
-from zeroplug.workload.models import GPT, flops_per_token, get_preset, param_count
+from zeroplug.plugins.workload.models import GPT, flops_per_token, get_preset, param_count
 
 
 def peak_rss() -> int:

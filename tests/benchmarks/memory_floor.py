@@ -29,7 +29,7 @@ the groups that span "hosts" of N consecutive ranks: what would cross the networ
 hosts. Two torchrun agents (``--nnodes 2 --node-rank 0/1``, each with its own
 ``CUDA_VISIBLE_DEVICES``) stand in for two hosts; ``--host-size -1`` reads the ranks per agent.
 
-``search`` bisects the family (``zeroplug.workload.models.PRESETS`` by size, 2.7B .. 13B,
+``search`` bisects the family (``zeroplug.plugins.workload.models.PRESETS`` by size, 2.7B .. 13B,
 with intermediate widths) for each system: every candidate trains ``--probe-steps`` steps in
 a subprocess of its own (``torchrun`` with ``--nproc`` ranks when > 1); out of memory (or a
 timeout) -> smaller. ``--time-cap`` bounds the whole search: what is known then is printed.
@@ -142,7 +142,7 @@ def measure(model_name: str, config, device, steps: int, warmup: int, host_size:
     import statistics
 
     from zeroplug.benchmarking.measure import make_runner, release, sync
-    from zeroplug.workload.models import GPT, get_preset
+    from zeroplug.plugins.workload.models import GPT, get_preset
     cfg = get_preset(model_name, activation_checkpointing=True)
 
     def build():
@@ -182,7 +182,7 @@ def measure(model_name: str, config, device, steps: int, warmup: int, host_size:
         engine = getattr(runner, "engine", None)
         if hasattr(engine, "memory_report"):        # (a zeroplug engine)
             from zeroplug.plugins.observe.memory import format_memory_report
-            from zeroplug.workload.models import param_count
+            from zeroplug.plugins.workload.models import param_count
             n = param_count(cfg)        # (stage 3's parameters are sharded: counted from the config)
             out["report"] = engine.memory_report()["device"]
             out["report_line"] = format_memory_report(engine.memory_report(), n)

@@ -49,7 +49,7 @@ def main():
     ap.add_argument("--live", action="store_true", help="also list what stays allocated between steps")
     args = ap.parse_args()
     from zeroplug.benchmarking.measure import make_runner
-    from zeroplug.workload.models import GPT, get_preset
+    from zeroplug.plugins.workload.models import GPT, get_preset
     cfg = get_preset(args.model, activation_checkpointing=True)
     if args.live:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -97,7 +97,7 @@ def main():
     engine = getattr(runner, "engine", None)
     if engine is not None:
         from zeroplug.plugins.observe.memory import format_memory_report
-        from zeroplug.workload.models import param_count
+        from zeroplug.plugins.workload.models import param_count
         print(format_memory_report(engine.memory_report(), param_count(cfg)))
 
 

@@ -86,7 +86,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import zeroplug
-    from zeroplug.workload.models import GPT, get_preset
+    from zeroplug.plugins.workload.models import GPT, get_preset
     cuda = torch.cuda.is_available()
     if "LOCAL_RANK" in os.environ:
         if cuda:

@@ -26,7 +26,7 @@ import time
 import torch
 
 import zeroplug
-from zeroplug.workload.models import GPT, get_preset, param_count
+from zeroplug.plugins.workload.models import GPT, get_preset, param_count
 
 DEEPSPEED_TOKENS_PER_S = 7_700
 
@@ -56,7 +56,7 @@ class Phases:
 def batches(n: int, mb: int, seq: int, vocab: int, dev, text: bool):
     g = torch.Generator().manual_seed(1234)
     if text:
-        from zeroplug.workload.data import stdlib_corpus
+        from zeroplug.plugins.workload.data import stdlib_corpus
         ids = torch.frombuffer(bytearray(stdlib_corpus(max_bytes=64 << 20)),
                                dtype=torch.uint8).long()
     for _ in range(n):

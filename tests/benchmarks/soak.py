@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 import zeroplug
-from zeroplug.workload.data import ByteBatches, stdlib_corpus
+from zeroplug.plugins.workload.data import ByteBatches, stdlib_corpus
 from zeroplug.observe.memory import host_rss_bytes
-from zeroplug.workload.models import GPT, get_preset
+from zeroplug.plugins.workload.models import GPT, get_preset
 
 MiB = 2**20
 

@@ -34,7 +34,7 @@ import torch
 
 from tests.benchmarks.deepspeed_json_bench import CONFIGS, ROWS, build_engine
 
-from zeroplug.workload.models import get_preset  # noqa: E402
+from zeroplug.plugins.workload.models import get_preset  # noqa: E402
 
 VARIANTS = {"off": "false", "on": "true", "auto": "auto"}
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from tests.benchmarks.bench_common import bench_path, bench_size
 
-from zeroplug.workload.models import GPT, GPTConfig, get_preset
+from zeroplug.plugins.workload.models import GPT, GPTConfig, get_preset
 
 SIZE = bench_size()
 MODEL, MICRO_BATCH, SEQ, STEPS, WARMUP = {

@@ -10,7 +10,7 @@ import textwrap
 
 USER_TEST = textwrap.dedent('''
     import pytest, torch
-    from zeroplug.workload.models import GPT, GPTConfig
+    from zeroplug.plugins.workload.models import GPT, GPTConfig
 
     CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, d_model=32, n_head=2)
 

@@ -5,7 +5,7 @@ import torch
 
 from zeroplug.plugins.warmup import MAX_OUTPUT_BYTES, MAX_SHAPES, plan, run_plan
 from zeroplug.errors import ConfigError
-from zeroplug.workload.models import GPT, get_preset
+from zeroplug.plugins.workload.models import GPT, get_preset
 from tests.support.toy import ToyNet, engine_losses
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zeroplug
-from zeroplug.workload.models import GPT, GPTConfig
+from zeroplug.plugins.workload.models import GPT, GPTConfig
 
 
 @pytest.mark.parametrize("zero", ["stage0", "stage2", "stage3"])

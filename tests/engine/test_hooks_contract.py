@@ -105,9 +105,24 @@ class Recorder:
         return None         # tracks nothing: the built-in plugin answers
 
     @zeroplug.hookimpl
+    def zeroplug_model_presets(self):
+        self.calls.append(("zeroplug_model_presets", {}))
+        return {"recorder-mlp": _recorder_spec}
+
+    @zeroplug.hookimpl
+    def zeroplug_add_commands(self, subparsers):
+        self.calls.append(("zeroplug_add_commands", {}))
+        subparsers.add_parser("recorder-hello", help="say hello").set_defaults(fn=lambda args, overrides: 7)
+
+    @zeroplug.hookimpl
     def zeroplug_memory_report(self, engine):
         self.calls.append(("zeroplug_memory_report", {"engine": engine}))
         return None         # the built-in plugin answers
+
+
+def _recorder_spec(checkpointing):
+    from zeroplug.tools.probe import ModelSpec
+    return ModelSpec("recorder-mlp", lambda layers: ToyNet(), None, 16, hf=False, max_seq=8)
 
 
 def _make_impl(slot):
@@ -231,6 +246,24 @@ def test_memory_report_and_state_devices_come_from_plugins(monkeypatch):
         bare.close()
     finally:
         monkeypatch.delenv("ZEROPLUG_PLUGINS_BLOCK")
+        registry.reset_plugin_manager()
+
+
+def test_model_presets_and_commands_come_from_plugins(capsys):
+    from zeroplug.cli import build_parser, main
+    from zeroplug.tools.probe import load_spec
+    rec = Recorder()
+    registry.get_plugin_manager().register(rec, "recorder")
+    try:
+        assert load_spec("recorder-mlp").name == "recorder-mlp"       # a plugin's preset
+        assert load_spec("char-tiny").vocab_size > 0                    # the built-in workload plugin's
+        assert rec.of("zeroplug_model_presets")
+        parser = build_parser()
+        assert rec.of("zeroplug_add_commands")
+        assert parser.parse_args(["recorder-hello"]).fn(None, []) == 7
+        assert main(["recorder-hello"]) == 7
+        assert parser.parse_args(["train", "--steps", "1"]).steps == 1  # train: the workload plugin's
+    finally:
         registry.reset_plugin_manager()
 
 
@@ -419,6 +452,8 @@ COVERED = {
     "zeroplug_phase": "test_phases_in_step_order_and_phase_metrics",
     "zeroplug_memory_report": "test_memory_report_and_state_devices_come_from_plugins",
     "zeroplug_state_devices": "test_memory_report_and_state_devices_come_from_plugins",
+    "zeroplug_model_presets": "test_model_presets_and_commands_come_from_plugins",
+    "zeroplug_add_commands": "test_model_presets_and_commands_come_from_plugins",
 }
 
 

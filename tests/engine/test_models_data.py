@@ -1,4 +1,4 @@
-"""The reference GPT model and the training data behind ``zeroplug train`` (zeroplug.workload)."""
+"""The reference GPT model and the training data behind ``zeroplug train`` (zeroplug.plugins.workload)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zeroplug.workload import data, models
+from zeroplug.plugins.workload import data, models
 
 TINY = models.GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)
 

@@ -17,7 +17,8 @@ from zeroplug.errors import ConfigError, PluginError
 from tests.support.toy import ToyNet
 
 
-BUILTINS = ("zero", "precision", "optim", "schedulers", "offload_cpu", "monitors", "activations")
+BUILTINS = ("zero", "precision", "optim", "schedulers", "offload_cpu", "monitors", "activations", "warmup",
+            "observe", "offload_states", "workload")
 
 FAKE_SGD = '''
 from dataclasses import dataclass

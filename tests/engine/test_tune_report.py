@@ -9,7 +9,7 @@ import torch
 
 import zeroplug
 from zeroplug.cli import main
-from zeroplug.workload.models import GPT, GPTConfig
+from zeroplug.plugins.workload.models import GPT, GPTConfig
 from zeroplug.tools.probe import load_spec, measure_activations
 from zeroplug.tools.report import read_run
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import zeroplug
-from zeroplug.workload.models import GPT, GPTConfig
+from zeroplug.plugins.workload.models import GPT, GPTConfig
 from zeroplug.plugins.activations.saved import HostActivations
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, d_model=32, n_head=4, activation_checkpointing=True)

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     t.add_argument("--data", help="train on this text file instead of the stdlib corpus")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
                    help="cpu (default), cuda, or auto (cuda when present)")
-    from zeroplug.workload.models import PRESETS
+    from .models import PRESETS
     t.add_argument("--model", default="char-tiny", choices=list(PRESETS), metavar="PRESET",
                    help=f"model preset: {', '.join(PRESETS)} (default char-tiny: byte-level, 0.8 M "
                         "parameters; the others are GPT-2-style sizes with a 50,304 vocabulary)")
