@@ -14,3 +14,16 @@ os.environ.setdefault("ZEROPLUG_DEVICE", "cpu")
 # Note: cpu_adam gives torch the cores of the rank by default; the tests keep one thread
 # (see above), and spawned ranks inherit it. tests/offload/test_cpu_adam_threads.py clears it.
 os.environ.setdefault("ZEROPLUG_CPU_ADAM_THREADS", "1")
+
+
+#: node ids of the default run's longest cases (tests/slow_cases.txt): marked slow at collection
+_SLOW_CASES = frozenset(
+    line.strip() for line in open(os.path.join(os.path.dirname(__file__), "slow_cases.txt"))
+    if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+    for item in items:
+        if item.nodeid in _SLOW_CASES:
+            item.add_marker(pytest.mark.slow)

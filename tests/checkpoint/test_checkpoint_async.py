@@ -254,6 +254,7 @@ def test_gpu_async_save_holds_the_states_of_its_call(tmp_path, monkeypatch, name
     e2.close()
 
 
+@pytest.mark.slow
 def test_zeroplug_train_async_save(tmp_path):
     import subprocess
     import sys

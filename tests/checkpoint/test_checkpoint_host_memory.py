@@ -89,6 +89,7 @@ def test_save_needs_at_most_one_sub_group_of_host_memory(tmp_path, tier):
     assert (tmp_path / "ck" / "latest").is_file()
 
 
+@pytest.mark.slow
 def test_the_measurement_sees_a_copy_of_the_states(tmp_path):
     assert _growth(tmp_path / "nvme", "nvme", "all_in") >= 0.9 * STATES
     assert _growth(tmp_path / "cpu", "cpu", "async") >= 0.9 * STATES     # by design: docs/reliability.md

@@ -126,6 +126,7 @@ def _two(rank, world, limit):
     return None
 
 
+@pytest.mark.slow
 def test_local_ranks_are_counted_together():
     """Each rank's shard fits alone; the two ranks on this host together do not."""
     per_rank = -(-ELEMENTS // 2) * 16
