@@ -80,9 +80,14 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     "zeroplug stage3, shard_group_size 2": {"plugin": "stage3", "shard_group_size": 2},
     "zeroplug stage2, shard_group_size 2": {"plugin": "stage2", "shard_group_size": 2},
     "zeroplug stage3, zero_hpz_partition_size 2": {"plugin": "stage3", "zero_hpz_partition_size": 2},
+    # stage 3's gathers per block (one unit per transformer block) and a deeper prefetch
+    "zeroplug stage3, blocks as leaves": {"plugin": "stage3", "stage3_leaf_modules": ("Block",)},
+    "zeroplug stage3, prefetch 5e7": {"plugin": "stage3", "stage3_prefetch_bucket_size": int(5e7)},
 }
 # --rows @NAME: these rows exactly
 ROW_SETS = {
+    "overlap": ["fsdp2", "zeroplug stage3", "zeroplug stage2", "zeroplug stage3, blocks as leaves",
+                "zeroplug stage3, prefetch 5e7"],
     "hier": ["fsdp2", "fsdp2-hsdp 2", "zeroplug stage3", "zeroplug stage3, shard_group_size 2",
              "zeroplug stage3, zero_hpz_partition_size 2", "zeroplug stage2", "zeroplug stage2, shard_group_size 2"],
 }
@@ -134,11 +139,15 @@ def zeroplug_config(extra: dict) -> dict:
     return cfg
 
 
-def measure(model_name: str, config, device, steps: int, warmup: int, host_size: int = 0) -> dict:
+def measure(model_name: str, config, device, steps: int, warmup: int, host_size: int = 0,
+            timeline: int = 0, label: str = "") -> dict:
     """Build, ``warmup`` + ``steps`` steps; tokens/s per GPU, peak GPU bytes (max over ranks).
     ``host_size`` > 0 (several ranks): one more step, untimed, with its collectives recorded
     (zeroplug.benchmarking.wire): the bytes each rank sends per step (ring model), in all and
-    in the groups that span "hosts" of ``host_size`` consecutive ranks."""
+    in the groups that span "hosts" of ``host_size`` consecutive ranks. ``timeline`` > 0 (CUDA):
+    that many more steps under torch.profiler, rank 0's device time split into compute,
+    collectives (exposed or hidden) and idle (zeroplug.benchmarking.timeline); the kernels'
+    trace saved to $OUT/timeline_LABEL.json when OUT is set."""
     import statistics
 
     from zeroplug.benchmarking.measure import make_runner, release, sync
@@ -179,6 +188,16 @@ def measure(model_name: str, config, device, steps: int, warmup: int, host_size:
             sync(device)
             out["sent_bytes"] = rec.sent_bytes()
             out["cross_host_bytes"] = rec.sent_bytes(lambda ranks: spans_hosts(ranks, host_size))
+        if timeline > 0 and cuda:
+            from zeroplug.benchmarking.timeline import Timeline
+            with Timeline(device) as tl:
+                for _ in range(timeline):
+                    runner.step(runner.batches())
+            if world()[0] == 0:
+                out["timeline"] = tl.summary(timeline)
+                if os.environ.get("OUT"):
+                    slug = "".join(c if c.isalnum() else "_" for c in label)[:40]
+                    tl.save(os.path.join(os.environ["OUT"], f"timeline_{slug}.json"))
         engine = getattr(runner, "engine", None)
         if hasattr(engine, "memory_report"):        # (a zeroplug engine)
             from zeroplug.plugins.observe.memory import format_memory_report
@@ -226,7 +245,8 @@ def run_table(args, device) -> list[dict]:
                 print(f"{label:<48} skipped: DeepSpeed is not installed", flush=True)
             continue
         config = spec if isinstance(spec, str) else zeroplug_config({"zero": spec})
-        r = measure(args.model, config, device, args.steps, args.warmup, args.host_size)
+        r = measure(args.model, config, device, args.steps, args.warmup, args.host_size,
+                    timeline=args.timeline, label=label)
         r["label"] = label
         rows.append(r)
         if rank == 0:
@@ -236,6 +256,9 @@ def run_table(args, device) -> list[dict]:
             print(f"{label:<48} {tps} tok/s/GPU  peak {r['peak_gib']:6.2f} GiB{wire}  {r.get('error', '')}", flush=True)
             if "report_line" in r:
                 print(f"    {r['report_line']}", flush=True)
+            if "timeline" in r:
+                from zeroplug.benchmarking.timeline import format_summary
+                print(format_summary(r.pop("timeline"), "    "), flush=True)
     return rows
 
 
@@ -315,6 +338,9 @@ def main() -> int:
                          "that span hosts of this many consecutive ranks (-1: LOCAL_WORLD_SIZE, torchrun's "
                          "ranks per agent); 0: off")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="table, CUDA: profile this many more steps per row and print where rank 0's GPU time "
+                         "goes (compute, collectives exposed or hidden, idle, the longest compute gaps)")
     ap.add_argument("--systems", default="stage3,fsdp2", help="search: " + ", ".join(SEARCH))
     ap.add_argument("--system", default="stage3", help="probe: one of the search systems")
     ap.add_argument("--offload", action="store_true", help="search zeroplug stage 3 with CPU offload")
