@@ -63,15 +63,18 @@ def is_leaf_module(module: torch.nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
 
 
+def expert_lists(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module``'s children that are a ModuleList / ModuleDict named like ``experts`` with two
+    or more entries that have parameters."""
+    return [child for name, child in module.named_children()
+            if "expert" in name.lower() and isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict))
+            and sum(1 for c in child.children() if any(True for _ in c.parameters())) >= 2]
+
+
 def holds_experts(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds a ModuleList / ModuleDict named like ``experts`` with two or
-    more entries that have parameters: the shape of a mixture-of-experts block whose
-    forward runs only the experts its tokens route to."""
-    for name, child in module.named_children():
-        if "expert" in name.lower() and isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            if sum(1 for c in child.children() if any(True for _ in c.parameters())) >= 2:
-                return True
-    return False
+    """Whether ``module`` holds an experts list (:func:`expert_lists`): the shape of a
+    mixture-of-experts block whose forward runs only the experts its tokens route to."""
+    return bool(expert_lists(module))
 
 
 def _name(k) -> str:

@@ -5,12 +5,44 @@ from __future__ import annotations
 import torch
 
 from zeroplug.errors import ConfigError
-from zeroplug.leaf import class_names, holds_experts, is_leaf_module
+from zeroplug.leaf import class_names, expert_lists, holds_experts, is_leaf_module
+
+
+def find_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of ``module`` (a transformer's layers): the entries of a ModuleList
+    or Sequential of two or more modules of one class, each built of two or more modules with
+    parameters, and holding no parameter that a module outside it holds too. Where blocks nest
+    (stages of blocks), the innermost; an ``experts`` list is never one (its owner is a leaf).
+
+    Note: a block gathered as one unit is one all-gather before its forward and one
+    reduce-scatter after its backward, as FSDP2 wraps each block; one unit per module is four
+    or more smaller collectives per transformer layer, each with its own launch and wait, which
+    the compute of one Linear does not hide."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(m)
+    skip = {id(lst) for m in module.modules() for lst in expert_lists(m)}
+    found = []
+    for seq in module.modules():
+        if not isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) or id(seq) in skip:
+            continue
+        kids = list(seq.children())
+        if len(kids) < 2 or len({type(k) for k in kids}) != 1:
+            continue
+        for k in kids:
+            with_params = sum(1 for c in k.modules() if any(True for _ in c.parameters(recurse=False)))
+            inside = {id(c) for c in k.modules()}
+            if with_params >= 2 and all(id(h) in inside for p in k.parameters() for h in holders[id(p)]):
+                found.append(k)
+    ids = {id(b) for b in found}
+    return [b for b in found if not any(id(c) in ids for c in b.modules() if c is not b)]
 
 
 def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
     """The outermost leaf modules of ``module``: marked by ``zeroplug.set_leaf_modules``,
-    named in ``stage3_leaf_modules``, or (``stage3_auto_leaf_modules``) holding experts."""
+    named in ``stage3_leaf_modules``, (``stage3_auto_leaf_modules``) holding experts, or
+    (``stage3_block_units``) a repeated block (:func:`find_blocks`)."""
     declared = set(options.stage3_leaf_modules)
     names = {n for m in module.modules() for n in class_names(m)}
     missing = sorted(declared - names)
@@ -22,11 +54,12 @@ def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
     # Note: the model itself is never found a leaf (a model whose own forward routes over its
     # experts): gathered whole it would not be sharded at all, and its output need not be a
     # tensor, so no backward hook of its own would gather it again for the backward.
+    blocks = {id(b) for b in find_blocks(module)} if options.stage3_block_units else set()
     leaves, inside = [], set()
     for m in module.modules():
         if id(m) in inside:
             continue
-        if is_leaf_module(m) or declared.intersection(class_names(m)) or (
+        if is_leaf_module(m) or declared.intersection(class_names(m)) or id(m) in blocks or (
                 options.stage3_auto_leaf_modules and m is not module and holds_experts(m)):
             leaves.append(m)
             inside.update(id(c) for c in m.modules())

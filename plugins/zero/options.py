@@ -11,7 +11,8 @@ from zeroplug.options import AUTO, opt
 
 STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                "stage3_param_persistence_threshold", "stage3_low_precision_shards",
-               "stage3_gather_16bit_weights_on_model_save", "stage3_leaf_modules", "stage3_auto_leaf_modules")
+               "stage3_gather_16bit_weights_on_model_save", "stage3_leaf_modules", "stage3_auto_leaf_modules",
+               "stage3_block_units")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,12 @@ class ZeroOptions:
         True, "Stage 3: a module holding a ModuleList or ModuleDict named like 'experts' is a leaf "
               "module (see stage3_leaf_modules); false gathers each expert on its own, which hangs "
               "when ranks route tokens to different experts.")
+    stage3_block_units: bool = opt(
+        True, "Stage 3: each repeated block of the model (an entry of a ModuleList or Sequential of "
+              "modules of one class, as transformer layers are; the innermost where they nest) is one "
+              "unit, gathered with one all-gather before its forward and reduced with one reduce-scatter, "
+              "as FSDP2 wraps each block; false gathers each module on its own (DeepSpeed's granularity). "
+              "A block's parameters are then used only inside its forward (see stage3_leaf_modules).")
     stage3_gather_16bit_weights_on_model_save: bool = opt(
         True, "Stage 3: save_16bit_model() gathers the full weights; false refuses (weights are sharded).")
 

@@ -356,7 +356,8 @@ class Stage3(Stage2):
                 f"a gradient reached parameter {name!r} (shape {tuple(p.shape)}) of a leaf module although "
                 "the leaf's forward did not use it on this rank: it was used outside the leaf module's "
                 "forward. Use it only inside that module, or do not make the module a leaf "
-                "(zero.stage3_leaf_modules, zero.stage3_auto_leaf_modules, zeroplug.unset_leaf_modules)")
+                "(zero.stage3_leaf_modules, zero.stage3_auto_leaf_modules, zero.stage3_block_units, "
+                "zeroplug.unset_leaf_modules)")
         super()._on_grad(p)
 
     def _post_backward_frozen(self, module) -> None:

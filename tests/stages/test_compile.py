@@ -63,7 +63,8 @@ class Net(torch.nn.Module):
 
 
 def _config(stage, world, variant=None):
-    """``variant``: "optimizer" / "param" offloaded to the CPU, or "leaf": each block one unit."""
+    """``variant``: "optimizer" / "param" offloaded to the CPU, or "per-module": stage 3 gathers
+    each module on its own (``stage3_block_units = false``; by default each block is one unit)."""
     cfg = {"zero": {"plugin": f"stage{stage}"}, "precision": {"plugin": "fp32"},
            "optimizer": {"plugin": "adamw", "lr": LR, "weight_decay": 0.01},
            "batch": {"micro_batch_size": GLOBAL_BATCH // world, "gradient_clipping": 0.0,
@@ -71,8 +72,8 @@ def _config(stage, world, variant=None):
            "monitor": {"plugin": "none"}}
     if stage == 3:      # every module sharded and gathered on use, also on one rank
         cfg["zero"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=100_000)
-    if variant == "leaf":
-        cfg["zero"]["stage3_leaf_modules"] = ["Block"]
+    if variant == "per-module":
+        cfg["zero"]["stage3_block_units"] = False
     elif variant:
         cfg["offload"] = {"optimizer": {"plugin": "cpu"}}
         if variant == "param":
@@ -129,8 +130,8 @@ CASES = {
         ("stage2-inplace-offload", 2, "optimizer", "inplace", None),
         ("stage3-whole", 3, None, "whole", None),
         ("stage3-inplace-static", 3, None, "inplace", False),
-        ("stage3-block", 3, None, "block", None),
-        ("stage3-block-leaf", 3, "leaf", "block", None),      # each block one unit: one graph
+        ("stage3-block", 3, None, "block", None),                # each block one unit: one graph
+        ("stage3-block-per-module", 3, "per-module", "block", None),
         ("stage3-whole-offload-param", 3, "param", "whole", None)],
 }
 
@@ -181,10 +182,10 @@ def test_compiled_matches_eager_two_ranks(name, two_ranks):
 
 
 @pytest.mark.slow
-def test_a_leaf_block_compiles_without_breaks(two_ranks):
-    """Gathered per module, a compiled block breaks at each of its Linears; a leaf block is
-    one unit gathered in its own pre-hook: the breaks are at its boundary only."""
-    per_module = two_ranks["stage3-block"]["compiled"][2]
-    leaf = two_ranks["stage3-block-leaf"]["compiled"][2]
-    assert leaf["breaks"] < per_module["breaks"], (leaf, per_module)
-    assert leaf["graphs"] == 1, leaf        # both blocks run the one graph of Block.forward
+def test_a_block_unit_compiles_without_breaks(two_ranks):
+    """Gathered per module, a compiled block breaks at each of its Linears; a block that is
+    one unit is gathered in its own pre-hook: the breaks are at its boundary only."""
+    per_module = two_ranks["stage3-block-per-module"]["compiled"][2]
+    block = two_ranks["stage3-block"]["compiled"][2]
+    assert block["breaks"] < per_module["breaks"], (block, per_module)
+    assert block["graphs"] == 1, block      # both blocks run the one graph of Block.forward
