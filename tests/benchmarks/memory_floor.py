@@ -80,14 +80,14 @@ TABLE = {   # label -> "torch" / FSDP2 variant, or the [zero] table of a zeroplu
     "zeroplug stage3, shard_group_size 2": {"plugin": "stage3", "shard_group_size": 2},
     "zeroplug stage2, shard_group_size 2": {"plugin": "stage2", "shard_group_size": 2},
     "zeroplug stage3, zero_hpz_partition_size 2": {"plugin": "stage3", "zero_hpz_partition_size": 2},
-    # stage 3's gathers per block (one unit per transformer block) and a deeper prefetch
-    "zeroplug stage3, blocks as leaves": {"plugin": "stage3", "stage3_leaf_modules": ("Block",)},
-    "zeroplug stage3, prefetch 5e7": {"plugin": "stage3", "stage3_prefetch_bucket_size": int(5e7)},
+    # stage 3 gathering each module on its own (DeepSpeed's granularity), not each block
+    "zeroplug stage3, per module": {"plugin": "stage3", "stage3_block_units": False},
 }
 # --rows @NAME: these rows exactly
 ROW_SETS = {
-    "overlap": ["fsdp2", "zeroplug stage3", "zeroplug stage2", "zeroplug stage3, blocks as leaves",
-                "zeroplug stage3, prefetch 5e7"],
+    # stage 3 beside FSDP2 and DeepSpeed, and beside zeroplug's own stage 2 (issue Q's table)
+    "q": ["fsdp2", "zeroplug stage3", "zeroplug stage2", "zeroplug stage3, per module", "deepspeed stage3"],
+    "q-again": ["fsdp2", "zeroplug stage3"],
     "hier": ["fsdp2", "fsdp2-hsdp 2", "zeroplug stage3", "zeroplug stage3, shard_group_size 2",
              "zeroplug stage3, zero_hpz_partition_size 2", "zeroplug stage2", "zeroplug stage2, shard_group_size 2"],
 }
