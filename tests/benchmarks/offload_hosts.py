@@ -7,7 +7,7 @@
 
 Rows (DeepSpeed's JSON in tests/benchmarks/deepspeed_configs/, passed as-is): stage 3 + CPU
 offload and stage 2 + optimizer offload on all N GPUs of the host, and stage 3 + CPU offload
-on one GPU. Each row runs zeroplug, then DeepSpeed, then zeroplug again (run-to-run
+on one GPU. Each row runs zeroplug, then DeepSpeed, then zeroplug again (``--again 0``: once; run-to-run
 agreement), each as its own ``torchrun --standalone --nproc-per-node n
 tests/benchmarks/deepspeed_json_bench.py --rows ROW``: zeroplug with torchrun's environment
 unchanged (``OMP_NUM_THREADS=1``), DeepSpeed with ``OMP_NUM_THREADS`` = cores / ranks (what
@@ -110,7 +110,7 @@ def plan_rows(args) -> list[tuple[str, int, str]]:
         rows = [(r, n) for r in args.rows]
     out = []
     for row, ranks in rows:
-        out += [(row, ranks, "zeroplug"), (row, ranks, "deepspeed"), (row, ranks, "zeroplug")]
+        out += [(row, ranks, "zeroplug"), (row, ranks, "deepspeed")] + [(row, ranks, "zeroplug")] * (args.again > 0)
     return out
 
 
@@ -144,6 +144,8 @@ def main() -> None:
     p.add_argument("--model", default="1.3B")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--again", type=int, default=1, choices=(0, 1),
+                   help="1: each row's zeroplug run again after DeepSpeed's (run-to-run agreement); 0: once")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip runs that would end later than this")
     p.add_argument("--estimate-s", type=float, default=60.0, help="a run's expected time before one was timed")
     p.add_argument("--engines", default="zeroplug,deepspeed", help="comma list: which engines run")
