@@ -93,6 +93,15 @@ def run_row(name: str, args, rank: int, world: int) -> dict:
         if rank == 0 and args.log:
             print(f"step {i + 1}: {times[-1]:.3f} s", flush=True)
     gc.callbacks.remove(on_gc)
+    if args.timeline and cuda:      # where the GPU's time goes in a few more steps (rank 0's)
+        from zeroplug.benchmarking.timeline import Timeline, format_summary
+        with Timeline(dev) as tl:
+            for _ in range(args.timeline):
+                x = torch.randint(0, mcfg.vocab_size, (micro, args.seq), device=dev, generator=g)
+                engine.backward(engine(x, x))
+                engine.step()
+        if rank == 0:
+            print(format_summary(tl.summary(args.timeline), f"timeline ({name}, {args.engine}): "), flush=True)
     steady = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     total_after_warmup = sum(times[2:]) if len(times) > 2 else times[-1]
     res = {"row": name, "config": path.name, "world": world, "model": args.model, "steps": args.steps,
@@ -159,6 +168,9 @@ def main() -> None:
                    help="a zeroplug setting over the JSON (offload.optimizer.gpu_step_ratio=0); not as-is then")
     p.add_argument("--phases", action="store_true",
                    help="synchronise after forward and backward and print each phase's time (slows the step)")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="CUDA: N more steps under torch.profiler; rank 0 prints where the GPU's time goes "
+                        "(compute, collectives, copies, idle, the longest compute gaps)")
     p.add_argument("--trace-stalls", type=float, default=0.0, metavar="S",
                    help="print every thread's stack each S seconds while a step runs (finds what a slow step waits on)")
     args = p.parse_args()
