@@ -37,6 +37,9 @@ class TierCapabilities:
     #: its sub-groups, and below stage 3 its gradient buckets, at most this large; smaller
     #: sizes from the config still win
     granularity: int | None = None
+    #: the tier can run with ``Layout.publish`` False: its masters stay in memory between
+    #: steps, where the stage reads them, and it writes no model-dtype shard
+    publish_optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,10 @@ class Layout:
     shards_in_memory: bool = True
     #: ``with write_shard(unit) as shard:`` new values for a unit's shard (persisted after)
     write_shard: Callable[[int], ContextManager[torch.Tensor]] | None = None
+    #: False (only where ``capabilities.publish_optional``): stage 3 gathers the trainable units
+    #: from the fp32 masters themselves (``zero.stage3_params_from_masters``): the units' shards
+    #: hold no values after ``plan``, and the step writes none (no ``lp_out``, no ``publish``)
+    publish: bool = True
 
 
 @dataclass(frozen=True)
@@ -327,6 +334,8 @@ class OffloadTier:
 
     def publish(self, k: int, optimizer) -> None:
         """Sub-group k's updated masters, rounded to the model dtype, into its units' shards."""
+        if not self.layout.publish:
+            return
         sg = self.layout.sub_groups[k]
         for i in sg.units:
             u = self.layout.units[i]

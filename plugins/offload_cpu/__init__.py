@@ -107,7 +107,8 @@ class CPUOffload(HostTier):
     def capabilities(self) -> TierCapabilities:
         # Note: resident sub-groups' host states are stale between steps, so readers go
         # through export / import_, which copy them down and up.
-        return TierCapabilities(offloaded=True, in_memory=not self.resident_groups, granularity=GRANULARITY)
+        return TierCapabilities(offloaded=True, in_memory=not self.resident_groups, granularity=GRANULARITY,
+                                publish_optional=not self.options.delayed_update)
 
     def resident_device_ok(self) -> bool:
         """Whether the training device can hold resident states (a GPU)."""
@@ -244,9 +245,13 @@ class CPUOffload(HostTier):
         if ratio <= 0 and not resident:
             return
         small = not full_precision_states(optimizer)
-        if small and self.options.gpu_step_ratio == "auto" and not resident:
-            return      # "auto" picks no lane for states it cannot step
-        if small:
+        auto = self.options.gpu_step_ratio == "auto" and not resident
+        if (small or not self.layout.publish) and auto:
+            return      # "auto" picks no lane for states it cannot step, nor without shards to write
+        if not self.layout.publish:
+            why = ("the parameters are gathered from the masters (zero.stage3_params_from_masters): the lane "
+                   "writes model-dtype shards")
+        elif small:
             why = ("the optimizer holds its states in bf16 or int8 (optimizer.state_dtype), which the GPU lane "
                    "(torch's fused AdamW) does not step")
         elif not fused or not all(g.get("bias_correction", False) for g in optimizer.param_groups):

@@ -98,7 +98,8 @@ class HostTier(OffloadTier):
 
     @property
     def capabilities(self) -> TierCapabilities:
-        return TierCapabilities(offloaded=True, in_memory=True, granularity=GRANULARITY)
+        return TierCapabilities(offloaded=True, in_memory=True, granularity=GRANULARITY,
+                                publish_optional=self.delayed_warmup() is None)
 
     # -- what a subclass decides ----------------------------------------------------------
     def check_memory(self, nbytes: int, what: str) -> None:
@@ -257,7 +258,7 @@ class HostTier(OffloadTier):
                 init_group_states(optimizer, k)
         # Note: page-locking the ring (2 x the largest sub-group: 4 GB at DeepSpeed's
         # sub_group_size 1e9) touches every page, which does not belong in a training step.
-        if fused and any(self.lp_on_device(*self.ranges[k]) for k in on_host):
+        if fused and self.layout.publish and any(self.lp_on_device(*self.ranges[k]) for k in on_host):
             self._host_ring()
         self._prepare_speculation(optimizer, fused)
 
@@ -340,6 +341,9 @@ class HostTier(OffloadTier):
         """Step sub-group k with gradient multiplier ``mult`` and publish it; returns the CUDA
         event of its upload from the host ring, if it went through one (else None)."""
         a, b = self.ranges[k]
+        if not self.layout.publish:     # the stage gathers from the masters: nothing to write
+            step_group(optimizer, k, grad_multiplier=mult, threads=threads)
+            return None
         if isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory:
             # Note: an optimizer with step_group (cpu_adam) writes the model-dtype copy in its
             # own pass: straight into host shards, or into a pinned staging buffer that goes
@@ -492,6 +496,8 @@ class HostTier(OffloadTier):
 
     def publish_master(self, master: torch.Tensor, a: int, k: int) -> None:
         """Master elements [a, a + numel) into the model-dtype shards of their units."""
+        if not self.layout.publish:
+            return
         b = a + master.numel()
         if self.cuda and self.layout.units[0].shard.device.type == "cuda":
             with torch.cuda.stream(self.h2d):

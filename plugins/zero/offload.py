@@ -42,7 +42,7 @@ class Offloaded:
         layout = Layout(units=tuple(units), sub_groups=tuple(sub_groups), param_dtype=part.pdtype,
                         device=part.device, exact_grad_dtype=exact, gathers_per_unit=part.gathers_per_unit(),
                         shards_in_memory=not part.params_offloaded or ptier.capabilities.in_memory,
-                        write_shard=write)
+                        write_shard=write, publish=not part.params_from_masters)
         self.tier.plan(layout)
         masters = self.tier.masters
         self.sub_group_of: dict[int, int] = {}

@@ -12,7 +12,7 @@ from zeroplug.options import AUTO, opt
 STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                "stage3_param_persistence_threshold", "stage3_low_precision_shards",
                "stage3_gather_16bit_weights_on_model_save", "stage3_leaf_modules", "stage3_auto_leaf_modules",
-               "stage3_block_units")
+               "stage3_block_units", "stage3_params_from_masters")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,15 @@ class ZeroOptions:
                "(2 bytes per element / world; on one rank, the whole model kept gathered, no hooks), "
                "gathered without a cast; false gathers the fp32 master, cast into the gather buffer "
                "(on one rank a cast on the compute stream: nothing prefetched or kept for reuse).")
+    stage3_params_from_masters: bool = opt(
+        False, "Stage 3 with offload.param and offload.optimizer in host memory (\"cpu\", without "
+               "delayed_update): keep no model-dtype copy of the trainable parameters on the host; a gather "
+               "uploads the unit's fp32 master (4 bytes per element instead of 2) and casts it on the GPU, and "
+               "the CPU step writes no model-dtype copy. 2 bytes less host memory per parameter; the same values "
+               "(the cast rounds as the step's copy does) where cpu_adam runs one kernel (its eager or its compiled "
+               "one: with both, units under 64K elements that the param tier's path steps eagerly are stepped by "
+               "the compiled kernel here, which rounds the last bits differently). The GPU lane (gpu_step_ratio) "
+               "is not used. false: model-dtype shards in the param tier.")
     stage3_leaf_modules: tuple[str, ...] = opt(
         (), "Stage 3: class names (or dotted package.module.Class paths) of leaf modules, gathered as "
             "one unit with every module inside them in the leaf's own forward, on every rank (a "

@@ -39,6 +39,7 @@ class FlatPartitioner(Partitioner):
     shard_params = False
     params_offloaded = False
     param_tier_units: frozenset = frozenset()   # units whose shard the param tier holds (stage 3)
+    params_from_masters = False     # stage 3 gathers trainable units from host masters (stage3.py)
 
     # -- setup ----------------------------------------------------------------------
     def tier_elements(self, module):

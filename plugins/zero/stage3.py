@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten
 
-from zeroplug.errors import StateError
+from zeroplug.errors import ConfigError, StateError
 from zeroplug.flat import alloc_storage, free_storage
 from zeroplug.tiers import Layout, UnitShard
 
@@ -65,6 +65,20 @@ except ImportError:     # (then every hook goes through torch._dynamo.disable)
     _skip_frame = None
 
 
+def check_params_from_masters(params_offloaded: bool, optimizer_tier) -> None:
+    """zero.stage3_params_from_masters needs both tiers offloaded, the optimizer's keeping its
+    masters in memory without model-dtype shards (``optimizer_tier``: its capabilities)."""
+    if not params_offloaded or not optimizer_tier.offloaded:
+        why = "needs offload.param and offload.optimizer (the masters in host memory are what it gathers)"
+    elif not optimizer_tier.publish_optional:
+        why = ("needs an offload.optimizer tier that keeps its masters in memory and can leave the model-dtype "
+               "shards unwritten (capabilities.publish_optional: \"cpu\" without delayed_update)")
+    else:
+        return
+    raise ConfigError(f"zero.stage3_params_from_masters = true {why}; set it to false",
+                      key="zero.stage3_params_from_masters")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -89,6 +103,13 @@ class Stage3(Stage2):
         self.lp_from_master = (not o.stage3_low_precision_shards and not self.params_offloaded
                                and not offload_optimizer.capabilities.offloaded
                                and precision.param_dtype != torch.float32)
+        # Note: with both tiers in host memory the param tier's shard only repeats the host
+        # master in fewer bits (2 bytes per element); without it a gather uploads the master
+        # and casts it on the device (stage3_params_from_masters)
+        self.params_from_masters = o.stage3_params_from_masters
+        if self.params_from_masters:
+            check_params_from_masters(self.params_offloaded, offload_optimizer.capabilities)
+            self.lp_from_master = True
         flush_pending()
         self.leaves = set(find_leaves(module, o))
         self.upload = (torch.cuda.Stream(self.run.device)
@@ -98,7 +119,7 @@ class Stage3(Stage2):
         # on the compute stream, with no collective or upload to overlap or to save, so nothing is
         # prefetched or kept gathered for reuse (the backward's casts cost less than holding the
         # forward's tail)
-        self.cast_only = self.layout_world == 1 and self.lp_from_master
+        self.cast_only = self.layout_world == 1 and self.lp_from_master and not self.params_from_masters
         self._setup_hpz(offload_optimizer)
         self.trace_prev: list[int] = []
         self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
@@ -107,7 +128,7 @@ class Stage3(Stage2):
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
         self._stale: set[int] = set()   # persistent units to refill once their sub-group is stepped
         if self.params_offloaded:       # the shards the param tier holds between uses
-            held = [u for u in self.units if not u.persistent]
+            held = [u for u in self.units if not u.persistent and self._tiered(u)]
             self.param_tier_units = frozenset(u.index for u in held)
             offload_param.plan(Layout(units=tuple(UnitShard(u.index, 0, u.shard) for u in held),
                                       sub_groups=(), param_dtype=self.pdtype, device=self.device))
@@ -125,6 +146,14 @@ class Stage3(Stage2):
                 self._hooks.append(m.register_forward_hook(eager(self._post_forward)))
                 self._hooks.append(m.register_state_dict_pre_hook(self._state_dict_pre_hook))
         self._hooks.append(module.register_forward_hook(eager(self._end_forward)))
+
+    def tier_elements(self, module):
+        """As stage 2's; with stage3_params_from_masters the param tier holds the frozen
+        parameters' shards only."""
+        out = super().tier_elements(module)
+        if self.options.stage3_params_from_masters:
+            out["param"] = max(0, out["param"] - out["optimizer"])
+        return out
 
     def _setup_hpz(self, offload_optimizer) -> None:
         """ZeRO++ hpZ: a secondary shard per gathered unit within groups of ranks (hpz.py)."""
@@ -191,6 +220,9 @@ class Stage3(Stage2):
         group = init_group(params[0])
         # one rank keeps a unit whole (no gathers) unless it is gathered from its master
         whole = world == 1 and not self.params_offloaded and not (self.lp_from_master and params[0].requires_grad)
+        # the shard the param tier keeps (in host memory); gathered from its master instead, it
+        # only seeds the master, on the device, and is freed after
+        tiered = self.params_offloaded and not (self.params_from_masters and params[0].requires_grad)
         if group is not None:
             layout, shard = group.layout, group.shard
             if layout.world_size != world or shard.dtype != self.pdtype:
@@ -213,8 +245,8 @@ class Stage3(Stage2):
             full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
             layout.copy_in(full, [p.data.to(self.device, self.pdtype) for p in params])
             lo, hi = layout.shard_range(rank)
-            shard = full[lo:hi] if whole or (world == 1 and self.params_offloaded) else full[lo:hi].clone()
-        if self.params_offloaded:     # the shard lives in the param tier (pinned host memory)
+            shard = full[lo:hi] if whole or (world == 1 and tiered) else full[lo:hi].clone()
+        if tiered:     # the shard lives in the param tier (pinned host memory)
             host = self.offload_param.empty(shard.numel(), self.pdtype)
             host.copy_(shard)
             shard = host
@@ -241,13 +273,18 @@ class Stage3(Stage2):
     def _start(self, u: Unit) -> None:
         if self.offload is not None:
             self.offload.wait_unit(u)       # an overlapped step has published this unit
-        if self.params_offloaded:
+        if self._tiered(u):
             self.offload_param.fetch(u.index)
         u.start_gather(self.shard_comm, self.upload)
 
+    def _tiered(self, u: Unit) -> bool:
+        """Whether the param tier holds ``u``'s shard (else it is on the device, or gathered
+        from its master: stage3_params_from_masters)."""
+        return self.params_offloaded and not (self.params_from_masters and u.trainable)
+
     def _release(self, u: Unit) -> None:
         u.release()
-        if self.params_offloaded and u.state == FREE:
+        if u.state == FREE and self._tiered(u):
             self.offload_param.evict(u.index, u.upload_event)
 
     def _fetch(self, u: Unit) -> None:
@@ -284,7 +321,7 @@ class Stage3(Stage2):
             first = False
             if self.offload is not None and not self.offload.unit_ready(u, by_timing=self.layout_world == 1):
                 break                           # its sub-group is still stepping: fetched on use
-            if not (self.params_offloaded and self.offload_param.prefetch(u.index)):
+            if not (self._tiered(u) and self.offload_param.prefetch(u.index)):
                 self._start(u)                  # (a shard out of memory is only read ahead)
             self.prefetch_count += 1
             budget -= u.numel

@@ -88,6 +88,22 @@ class ReleasedParam(NoGatherRepr, torch.nn.Parameter):
             return func(*args, **kwargs)
 
 
+#: elements of the fp32 device buffer a master goes up through before its cast (64 MiB)
+UPLOAD_CHUNK = 1 << 24
+
+
+def cast_upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``src`` (fp32, host) into ``dst`` (model dtype, device) on the current stream: each
+    chunk copied up into an fp32 buffer, then cast. Note: one chunk buffer at a time (the
+    copies and casts run in order on one stream), not an fp32 copy of the whole unit."""
+    n = dst.numel()
+    for s in range(0, n, UPLOAD_CHUNK):
+        e = min(n, s + UPLOAD_CHUNK)
+        buf = torch.empty(e - s, dtype=src.dtype, device=dst.device)
+        buf.copy_(src[s:e], non_blocking=True)
+        dst[s:e].copy_(buf)
+
+
 class _EventHandle:
     """An upload on a side stream: waiting orders the current stream after it."""
 
@@ -169,6 +185,8 @@ class Unit:
         if sec is not None and sec.fresh:
             return sec.comm.all_gather(self.full, sec.values, async_op=True)
         if self.lp_source is not None:
+            if self.lp_source.device != self.full.device:
+                return self._upload_master(comm, upload)
             src = self.lp_source if comm.world_size == 1 else self.lp_source.to(self.full.dtype)
             return comm.all_gather(self.full, src, async_op=True)
         src = self.shard
@@ -189,6 +207,25 @@ class Unit:
                     self.upload_event = upload.record_event()
                 cur.wait_stream(upload)
         return comm.all_gather(self.full, src, async_op=True)
+
+    def _upload_master(self, comm, upload):
+        """The fp32 master in host memory, uploaded in chunks on ``upload`` and cast into the
+        model-dtype shard on the device (one rank: ``full`` itself), then gathered."""
+        dev = self.full.device
+        cur = torch.cuda.current_stream(dev)
+        upload = upload if upload is not None else cur
+        upload.wait_stream(cur)
+        with torch.cuda.stream(upload):
+            n = self.hi - self.lo
+            dst = self.full[:n] if comm.world_size == 1 else torch.empty(n, dtype=self.full.dtype, device=dev)
+            cast_upload(dst, self.lp_source)
+            self.upload_event = upload.record_event()
+            if comm.world_size == 1:
+                self.full.record_stream(upload)
+                return _EventHandle(self.upload_event, dev)
+        cur.wait_stream(upload)
+        dst.record_stream(cur)
+        return comm.all_gather(self.full, dst, async_op=True)
 
     def wait_gather(self) -> None:
         if self.state == INFLIGHT:
