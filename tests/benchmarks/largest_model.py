@@ -1,0 +1,334 @@
+"""The largest model that trains on one machine with parameters and optimizer offloaded to
+the host: zeroplug beside DeepSpeed, in one call.
+
+    python3 -m tests.benchmarks.largest_model                      # 13B, 8.6B, 7.7B; every engine
+    python3 -m tests.benchmarks.largest_model --budget-s 540 --engines zeroplug-int8,deepspeed-bf16
+    python3 -m tests.benchmarks.largest_model --models char-tiny --seq 64 --micro 2   # CPU smoke run
+
+Each engine searches the presets (``--models``, ``zeroplug.plugins.workload.models.PRESETS``)
+from the largest that its host-bytes estimate says fits (``--host-gib``, default what the
+machine has available) downwards: every candidate is a fresh subprocess that builds the
+model (stage 3 builds it partitioned: ``zeroplug.init`` or ``deepspeed.zero.Init``) and
+trains ``--steps`` steps (the first ``--warmup`` untimed) of the reference workload
+(shared/WORKLOAD.md: micro batch 8, sequence 1,024, bf16, AdamW lr 1e-4, clipping 1.0,
+activation checkpointing on every block, random tokens). The first candidate that trains
+is the engine's largest; one that runs out of GPU memory (OOM), is killed by the kernel
+(host OOM: SIGKILL), fails or passes its time limit sends the search one size down.
+``--budget-s`` bounds the whole run (each engine gets an equal share of what is left, each
+candidate at most ``--timeout-s``); what is known then is printed.
+
+Engines (``--engines``, in the order they run):
+
+* ``zeroplug-int8`` / ``zeroplug-bf16`` / ``zeroplug-fp32``: stage 3, ``offload.param`` and
+  ``offload.optimizer`` "cpu", optimizer "auto" (cpu_adam) with ``state_dtype`` int8 / bf16 /
+  fp32, ``zero.stage3_params_from_masters`` (no bf16 parameter copy on the host);
+* ``zeroplug-fp32-param-tier``: the same with fp32 states and bf16 shards in the param tier
+  (what zeroplug held before stage3_params_from_masters);
+* ``deepspeed``: DeepSpeed (when installed; else "not installed") from
+  deepspeed_configs/zero3_offload_largest.json: offload_param and offload_optimizer cpu,
+  pin_memory, fp32 master weights and states;
+* ``deepspeed-bf16``: the same JSON plus DeepSpeed's smallest states (zero3_offload_bf16.json:
+  ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``: master weights, gradients and
+  Adam's moments in bf16 on the host; not exact, unlike zeroplug's fp32 masters).
+
+Per candidate: tokens/s (median step after the warm-up), peak host RSS (the parent samples
+the child's RSS every 0.2 s, so a child the kernel kills still has a peak), peak GPU memory
+(``torch.cuda.max_memory_allocated``), the build and initialize times, and the outcome. A
+markdown table goes to stdout; the raw results to ``$OUT/largest_model.json`` when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.benchmarks.memory_floor import OOM_EXIT, deepspeed_installed, zeroplug_config
+
+GiB = 1024 ** 3
+DS_CONFIGS = Path(__file__).parent / "deepspeed_configs"
+DEFAULT_MODELS = "13B,8.6B,7.7B"
+#: host memory of the process beside the states: torch and CUDA, pinned staging, allocator slack
+FIXED_HOST_GIB = 6.0
+
+
+def _zeroplug(state_dtype: str, from_masters: bool = True) -> dict:
+    return {"kind": "zeroplug", "state_dtype": state_dtype, "from_masters": from_masters}
+
+
+ENGINES = {
+    "zeroplug-int8": _zeroplug("int8"),
+    "zeroplug-bf16": _zeroplug("bf16"),
+    "zeroplug-fp32": _zeroplug("fp32"),
+    "zeroplug-fp32-param-tier": _zeroplug("fp32", from_masters=False),
+    "deepspeed": {"kind": "deepspeed", "json": "zero3_offload_largest.json"},
+    "deepspeed-bf16": {"kind": "deepspeed", "json": "zero3_offload_bf16.json"},
+}
+DEFAULT_ENGINES = "zeroplug-int8,deepspeed-bf16,zeroplug-fp32,deepspeed"
+
+
+def host_bytes_per_param(engine: str) -> float:
+    """Host bytes per parameter the engine holds with both tiers offloaded (one rank).
+
+    zeroplug: fp32 master 4 + bf16 gradient 2 (exact with one rank) + Adam's moments
+    (8 fp32, 4 bf16, 2 + 8/256 int8) + 2 for a bf16 parameter copy in the param tier unless
+    the gathers read the masters. DeepSpeed: bf16 parameters 2 + fp32 master 4 + fp32
+    gradient 4 + fp32 moments 8; with bf16 master weights, gradients and states 2 + 2 + 2 + 4."""
+    spec = ENGINES[engine]
+    if spec["kind"] == "deepspeed":
+        return 10.0 if "bf16" in spec["json"] else 18.0
+    from zeroplug.quantized_states import state_bytes
+    return 4 + 2 + state_bytes(spec["state_dtype"]) + (0 if spec["from_masters"] else 2)
+
+
+def predicted_host_gib(engine: str, model: str) -> float:
+    from zeroplug.plugins.workload.models import get_preset, param_count
+    return param_count(get_preset(model)) * host_bytes_per_param(engine) / GiB + FIXED_HOST_GIB
+
+
+def host_available_gib() -> float:
+    from zeroplug.observe.memory import host_available_bytes
+    return host_available_bytes() / GiB
+
+
+# -- one candidate, in its own process -------------------------------------------------------
+def zeroplug_cfg(spec: dict, micro: int) -> dict:
+    cfg = zeroplug_config({
+        "zero": {"plugin": "stage3", "stage3_params_from_masters": spec["from_masters"]},
+        "optimizer": {"plugin": "auto", "lr": 1e-4, "state_dtype": spec["state_dtype"]},
+        "offload": {"optimizer": {"plugin": "cpu"}, "param": {"plugin": "cpu"}}})
+    cfg["batch"]["micro_batch_size"] = micro
+    return cfg
+
+
+def deepspeed_cfg(spec: dict, micro: int) -> dict:
+    cfg = json.loads((DS_CONFIGS / spec["json"]).read_text())
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    return cfg
+
+
+def probe(args) -> int:
+    """Build and train one candidate; print ``PROBE {json}``; exit OOM_EXIT on GPU OOM."""
+    from zeroplug.benchmarking.measure import make_runner, peak_host_bytes, sync
+    from zeroplug.plugins.workload.models import GPT, get_preset, param_count
+    spec = ENGINES[args.engine]
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    mcfg = get_preset(args.model, activation_checkpointing=True)
+    out: dict = {"model": args.model, "engine": args.engine, "params": param_count(mcfg)}
+    if spec["kind"] == "deepspeed":
+        if not deepspeed_installed():
+            out["error"] = "not installed"
+            print("PROBE " + json.dumps(out), flush=True)
+            return 0
+        config = "deepspeed:" + str(_write_ds_json(spec, args.micro))
+    else:
+        config = zeroplug_cfg(spec, args.micro)
+    where = args.build_on if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def build():
+        # Note: each module's constructor initialises its parameters on the GPU (a second per
+        # billion) instead of the CPU; zeroplug.init / zero.Init keep only the shards.
+        torch.manual_seed(0)
+        if where == "device" and spec["kind"] == "zeroplug":
+            with torch.device(device):
+                return GPT(mcfg)
+        return GPT(mcfg)
+
+    def batch(dev):
+        x = torch.randint(0, mcfg.vocab_size, (args.micro, args.seq + 1), device=dev)
+        return x[:, :-1], x[:, 1:]
+
+    t0 = time.perf_counter()
+    runner = None
+    try:
+        runner = make_runner(build, batch, config, device)
+        out["init_s"] = round(time.perf_counter() - t0, 1)   # build + initialize
+        out["rss_after_init_gib"] = _rss_gib()
+        times = []
+        for i in range(args.steps):
+            b = runner.batches()
+            t = time.perf_counter()
+            loss = runner.step(b)
+            sync(device)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
+        step = statistics.median(times) if times else float("nan")
+        out.update(step_s=round(step, 3), tokens_per_s=args.micro * args.seq / step, loss=loss,
+                   step_times=[round(t, 3) for t in times])
+    except torch.OutOfMemoryError as exc:
+        out["error"] = "GPU OOM: " + str(exc).splitlines()[0][:160]
+    finally:
+        if device.type == "cuda":
+            out["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+        out["peak_host_rss_gib"] = peak_host_bytes() / GiB
+        print("PROBE " + json.dumps(out, default=str), flush=True)
+        if runner is not None:
+            runner.close()
+    return OOM_EXIT if "error" in out else 0
+
+
+def _write_ds_json(spec: dict, micro: int) -> Path:
+    import tempfile
+    path = Path(tempfile.mkdtemp(prefix="largest_model_")) / spec["json"]
+    path.write_text(json.dumps(deepspeed_cfg(spec, micro)))
+    return path
+
+
+def _rss_gib(pid: int | str = "self") -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_candidate(model: str, engine: str, args, timeout: float) -> dict:
+    """A fresh process for one candidate; its outcome, peak RSS sampled from here."""
+    cmd = [sys.executable, os.path.abspath(__file__), "probe", "--model", model, "--engine", engine,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
+           "--micro", str(args.micro), "--build-on", args.build_on]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    peak, timed_out = 0.0, False
+    # Note: the pipes are drained by threads, so that a child writing a lot never blocks on them
+    import threading
+    chunks = {"out": [], "err": []}
+    readers = [threading.Thread(target=lambda s=s, k=k: chunks[k].extend(s), daemon=True)
+               for s, k in ((proc.stdout, "out"), (proc.stderr, "err"))]
+    for r in readers:
+        r.start()
+    while proc.poll() is None:
+        peak = max(peak, _rss_gib(proc.pid))
+        if time.time() - t0 > timeout:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+        time.sleep(0.2)
+    for r in readers:
+        r.join(timeout=5)
+    res = {"model": model, "engine": engine, "wall_s": round(time.time() - t0, 1), "rc": proc.returncode,
+           "sampled_peak_rss_gib": round(peak, 2)}
+    for line in "".join(chunks["out"]).splitlines():
+        if line.startswith("PROBE "):
+            res.update(json.loads(line[6:]))
+    if timed_out:
+        res["outcome"] = f"timeout ({timeout:.0f} s)"
+    elif res.get("error") == "not installed":
+        res["outcome"] = "not installed"
+    elif proc.returncode in (-signal.SIGKILL, 137, 247):
+        res["outcome"] = "host OOM (killed)"
+    elif "error" in res:
+        res["outcome"] = res["error"]
+    elif proc.returncode != 0 or "tokens_per_s" not in res:
+        tail = [ln for ln in "".join(chunks["err"]).splitlines() if ln.strip()]
+        res["outcome"] = "failed: " + (tail[-1][:200] if tail else f"exit {proc.returncode}")
+    else:
+        res["outcome"] = "trains"
+    return res
+
+
+def search(args) -> dict:
+    deadline = time.time() + args.budget_s
+    models = args.models.split(",")
+    from zeroplug.plugins.workload.models import get_preset, param_count
+    models.sort(key=lambda m: param_count(get_preset(m)), reverse=True)
+    engines = args.engines.split(",")
+    host = args.host_gib or host_available_gib()
+    found: dict = {}
+    for i, engine in enumerate(engines):
+        tried: list = []
+        found[engine] = {"largest": None, "tried": tried, "bytes_per_param": host_bytes_per_param(engine)}
+        if ENGINES[engine]["kind"] == "deepspeed" and not deepspeed_installed():
+            found[engine]["note"] = "not installed"
+            print(f"{engine}: not installed", flush=True)
+            continue
+        fitting = [m for m in models if predicted_host_gib(engine, m) <= host]
+        skipped = [m for m in models if m not in fitting]
+        if skipped:
+            tried.append({"note": f"predicted not to fit {host:.0f} GiB: {', '.join(skipped)}"})
+        for model in fitting:
+            share = (deadline - time.time()) / (len(engines) - i)
+            if share < 15:
+                tried.append({"note": "budget spent"})
+                break
+            r = run_candidate(model, engine, args, min(share, args.timeout_s))
+            r["predicted_host_gib"] = round(predicted_host_gib(engine, model), 1)
+            tried.append(r)
+            print(f"  {engine:<24} {model:>9}: {r['outcome']}  ({r.get('tokens_per_s', 0):,.0f} tokens/s, host peak "
+                  f"{r['sampled_peak_rss_gib']:.1f} GiB (predicted {r['predicted_host_gib']:.1f}), GPU peak "
+                  f"{r.get('peak_gpu_gib', 0):.1f} GiB, {r['wall_s']} s)", flush=True)
+            if r["outcome"] == "trains":
+                found[engine]["largest"] = model
+                break
+    return {"host_gib": host, "engines": found}
+
+
+def table(result: dict) -> str:
+    rows = ["| engine | host bytes / param (est.) | largest that trains | tokens/s | peak host RSS GiB | "
+            "peak GPU GiB | build + initialize s | tried (outcome) |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    for engine, f in result["engines"].items():
+        ok = next((t for t in f["tried"] if t.get("outcome") == "trains"), {})
+        tried = "; ".join(f"{t['model']}: {t['outcome']}" if "model" in t else t["note"] for t in f["tried"])
+        rows.append(f"| {engine} | {f['bytes_per_param']:.2f} | {f['largest'] or f.get('note', 'none')} | "
+                    f"{ok.get('tokens_per_s', 0):,.0f} | {ok.get('sampled_peak_rss_gib', 0):.1f} | "
+                    f"{ok.get('peak_gpu_gib', 0):.1f} | {ok.get('init_s', 0):.0f} | {tried or '-'} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", nargs="?", default="search", choices=["search", "probe"])
+    ap.add_argument("--models", default=DEFAULT_MODELS, help="presets to search (any order)")
+    ap.add_argument("--engines", default=DEFAULT_ENGINES, help="comma-separated: " + ", ".join(ENGINES))
+    ap.add_argument("--model", help="probe: the preset")
+    ap.add_argument("--engine", help="probe: the engine")
+    ap.add_argument("--steps", type=int, default=3, help="steps per candidate, warm-up included")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--build-on", choices=["device", "cpu"], default="device",
+                    help="where zeroplug's module constructors initialise the parameters (CUDA runs)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole search")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="seconds per candidate at most")
+    ap.add_argument("--host-gib", type=float, default=0.0, help="host memory to plan for (0: available now)")
+    args = ap.parse_args(argv)
+    unknown = [e for e in args.engines.split(",") if e not in ENGINES]
+    if args.what == "search" and unknown:
+        print(f"error: --engines {','.join(unknown)}: unknown; choose from {', '.join(ENGINES)}", file=sys.stderr)
+        return 2
+    if args.what == "probe":
+        return probe(args)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(f"largest model with parameters and optimizer offloaded to the host: {gpu}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, micro batch {args.micro} x {args.seq}, budget {args.budget_s:.0f} s", flush=True)
+    result = search(args)
+    result.update(argv=sys.argv[1:] if argv is None else argv, gpu=gpu)
+    print()
+    print(table(result), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "largest_model.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

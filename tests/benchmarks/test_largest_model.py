@@ -1,0 +1,46 @@
+"""largest_model.py on the CPU: the search, its estimate and its table, at a tiny preset
+(DeepSpeed: "not installed" where it is not)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.benchmarks import largest_model as lm
+from tests.benchmarks.memory_floor import deepspeed_installed
+
+
+def test_host_bytes_per_parameter_arithmetic():
+    """fp32 master 4 + bf16 gradient 2 + moments; + 2 with bf16 shards in the param tier."""
+    assert lm.host_bytes_per_param("zeroplug-fp32-param-tier") == 16
+    assert lm.host_bytes_per_param("zeroplug-fp32") == 14
+    assert lm.host_bytes_per_param("zeroplug-bf16") == 10
+    assert lm.host_bytes_per_param("zeroplug-int8") == 8 + 8 / 256
+    assert lm.host_bytes_per_param("deepspeed") == 18 and lm.host_bytes_per_param("deepspeed-bf16") == 10
+    # 13B with int8 states fits a 128 GiB host with room; with fp32 states it does not
+    assert lm.predicted_host_gib("zeroplug-int8", "13B") < 110 < lm.predicted_host_gib("zeroplug-fp32", "13B")
+
+
+def test_search_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """125M is predicted not to fit the given host and is skipped; char-tiny trains in a
+    process of its own; the table and the JSON say so."""
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "eager")       # no kernel build in the children
+    monkeypatch.setenv("OUT", str(tmp_path))
+    engines = "zeroplug-int8" + ("" if deepspeed_installed() else ",deepspeed-bf16")
+    assert lm.main(["--models", "char-tiny,125M", "--engines", engines, "--seq", "32", "--micro", "2",
+                    "--steps", "2", "--host-gib", "6.5", "--budget-s", "120"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "largest_model.json").read_text())
+    z = res["engines"]["zeroplug-int8"]
+    assert z["largest"] == "char-tiny"
+    assert "predicted not to fit" in z["tried"][0]["note"] and "125M" in z["tried"][0]["note"]
+    run = z["tried"][1]
+    assert run["outcome"] == "trains" and run["tokens_per_s"] > 0 and run["sampled_peak_rss_gib"] > 0
+    assert "| zeroplug-int8 | 8.03 | char-tiny |" in out
+    if not deepspeed_installed():
+        assert "| deepspeed-bf16 | 10.00 | not installed |" in out
+
+
+def test_unknown_engine_is_refused(capsys):
+    assert lm.main(["--engines", "zeroplug-int4"]) == 2
+    assert capsys.readouterr().err.startswith("error: --engines zeroplug-int4: unknown")
