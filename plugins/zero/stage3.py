@@ -306,19 +306,17 @@ class Stage3(Stage2):
         if self.cast_only:
             return
         budget, live = self.prefetch_size, self._live_numel()
-        first = True
         for idx in order[start + 1:]:
             u = self.all_units[idx]
             if u.state != FREE:
-                first = False
                 continue
-            # Note: the next unit is always prefetched when live parameters allow, even if
-            # it is larger than the bucket: with "auto" (0.9 x hidden^2) one MLP matrix
-            # (4 x hidden^2) would otherwise never be fetched ahead.
-            over = budget < u.numel and not (first and self.options.stage3_prefetch_bucket_size == "auto")
-            if over or live + u.numel > self.options.stage3_max_live_parameters:
+            # Note: units are started while the elements started so far are below the bucket,
+            # as DeepSpeed counts it: the last one may pass it. A unit larger than the bucket
+            # (a whole block: 12 x hidden^2 against "auto"'s 0.9 x hidden^2, or a JSON's 5e7)
+            # is still fetched one ahead; stopping short of it would leave every gather and
+            # upload on the critical path.
+            if budget <= 0 or live + u.numel > self.options.stage3_max_live_parameters:
                 break
-            first = False
             if self.offload is not None and not self.offload.unit_ready(u, by_timing=self.layout_world == 1):
                 break                           # its sub-group is still stepping: fetched on use
             if not (self._tiered(u) and self.offload_param.prefetch(u.index)):
