@@ -307,22 +307,26 @@ class Stage3(Stage2):
             return
         budget, live = self.prefetch_size, self._live_numel()
         for idx in order[start + 1:]:
+            # Note: the bucket holds what is gathered or in flight ahead of use, and units are
+            # started while it is not full: the last one may overfill it. So a unit larger
+            # than the bucket (a whole block: 12 x hidden^2 against "auto"'s 0.9 x hidden^2,
+            # or a JSON's 5e7) is still fetched one ahead; stopping short of it would leave
+            # every gather and upload on the critical path.
             u = self.all_units[idx]
+            if u.persistent:
+                continue                        # whole on every rank: never gathered
+            if budget <= 0:
+                break
+            budget -= u.numel
             if u.state != FREE:
-                continue
-            # Note: units are started while the elements started so far are below the bucket,
-            # as DeepSpeed counts it: the last one may pass it. A unit larger than the bucket
-            # (a whole block: 12 x hidden^2 against "auto"'s 0.9 x hidden^2, or a JSON's 5e7)
-            # is still fetched one ahead; stopping short of it would leave every gather and
-            # upload on the critical path.
-            if budget <= 0 or live + u.numel > self.options.stage3_max_live_parameters:
+                continue                        # gathered or in flight already
+            if live + u.numel > self.options.stage3_max_live_parameters:
                 break
             if self.offload is not None and not self.offload.unit_ready(u, by_timing=self.layout_world == 1):
                 break                           # its sub-group is still stepping: fetched on use
             if not (self._tiered(u) and self.offload_param.prefetch(u.index)):
                 self._start(u)                  # (a shard out of memory is only read ahead)
             self.prefetch_count += 1
-            budget -= u.numel
             live += u.numel
 
     def _live_numel(self) -> int:

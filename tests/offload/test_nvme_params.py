@@ -114,11 +114,13 @@ def _reshape_job(rank, world, swap, ck, save):
 
 @pytest.mark.slow
 def test_nvme_params_checkpoint_reshapes(tmp_path):
-    """Saved by 2 ranks with every shard on NVMe, resumed by 1 (and 2) the same."""
+    """Saved by 2 ranks with every shard on NVMe, resumed by 2 exactly, and by 1 within
+    rounding (one rank sums the gradient norm's parts in another order: the clipping factor
+    may differ in its last bit)."""
     swap, ck = str(tmp_path / "swap"), str(tmp_path / "ck")
     os.makedirs(swap)
     ref = run_ranks(_reshape_job, 2, swap, ck, True)[0]
-    assert run_ranks(_reshape_job, 1, swap, ck, False)[0] == ref
+    assert run_ranks(_reshape_job, 1, swap, ck, False)[0] == pytest.approx(ref, rel=1e-6)
     assert run_ranks(_reshape_job, 2, swap, ck, False)[0] == ref
 
 

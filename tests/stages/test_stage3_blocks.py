@@ -118,28 +118,34 @@ def reference(ckpt):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-CASES = {   # name -> (activation checkpointing, stage3_block_units)
-    "blocks": (None, True),
-    "blocks, checkpointing": ("non-reentrant", True),
-    "blocks, reentrant checkpointing": ("reentrant", True),
-    "per module": (None, False),
+CASES = {   # name -> (activation checkpointing, stage3_block_units, stage3_prefetch_bucket_size)
+    "blocks": (None, True, "auto"),
+    "blocks, checkpointing": ("non-reentrant", True, "auto"),
+    "blocks, reentrant checkpointing": ("reentrant", True, "auto"),
+    "per module": (None, False, "auto"),
+    "blocks, bucket of 1 element": (None, True, 1),
+    "blocks, no prefetch": (None, True, 0),
 }
 
 
-def run_case(rank, world, ckpt, blocks):
+def run_case(rank, world, ckpt, blocks, bucket):
     from zeroplug.benchmarking.wire import Collectives
     torch.manual_seed(0)
     model = Net(ckpt)
     engine = zeroplug.initialize(model, {
-        "zero": {"plugin": "stage3", "stage3_block_units": blocks, "stage3_param_persistence_threshold": 0},
+        "zero": {"plugin": "stage3", "stage3_block_units": blocks, "stage3_param_persistence_threshold": 0,
+                 "stage3_prefetch_bucket_size": bucket},
         "precision": {"plugin": "fp32"}, "optimizer": {"plugin": "adamw", "lr": LR, "weight_decay": WD},
         "batch": {"micro_batch_size": PER_RANK, "gradient_clipping": 0.0, "steps_per_print": 10_000},
         "monitor": {"plugin": "none"}})
+    part = engine.partitioner
     losses, gathers, reductions = [], [], []
     for i, per in enumerate(data()):
         x, y = per[rank]
+        before = part.prefetch_count
         with Collectives() as rec:
             loss = engine(x, y)
+            forward_prefetches = part.prefetch_count - before
             engine.backward(loss)
         engine.step()
         ops = [c.op for c in rec.calls]
@@ -148,9 +154,9 @@ def run_case(rank, world, ckpt, blocks):
         t = loss.detach().clone()
         engine.run.comm.all_reduce(t)
         losses.append(t.item() / world)
-    part = engine.partitioner
     units = {part.unit_of[p].index for p in model.layers[0].parameters()}
     return {"losses": losses, "state": engine.consolidated_state_dict(), "gathers": gathers[-1],
+            "forward_prefetches": forward_prefetches,
             "reductions": reductions[-1], "units_of_layer0": len(units), "units": len(part.units)}
 
 
@@ -183,3 +189,14 @@ def test_one_unit_and_fewer_collectives_per_block(results):
     assert r["per module"]["reductions"] - r["blocks"]["reductions"] == LAYERS * (3 - 1)
     # checkpointing re-runs each layer's forward inside the backward: gathered again there
     assert r["blocks, checkpointing"]["gathers"] >= r["blocks"]["gathers"]
+
+
+def test_a_unit_larger_than_the_bucket_is_still_fetched_one_ahead(results):
+    """The bucket holds what is gathered or in flight ahead of use; units start while it is
+    not full. A bucket of 1 element is smaller than every unit, yet each forward (after the
+    first, which records the order) starts each next unit while the current one runs:
+    the 3 layers and the head. A bucket of 0 starts nothing ahead."""
+    r = results[0]
+    assert r["blocks, bucket of 1 element"]["forward_prefetches"] == LAYERS + 1
+    assert r["blocks"]["forward_prefetches"] == LAYERS + 1       # "auto" (0.9 x 16^2) likewise
+    assert r["blocks, no prefetch"]["forward_prefetches"] == 0
