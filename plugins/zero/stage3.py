@@ -306,27 +306,27 @@ class Stage3(Stage2):
         if self.cast_only:
             return
         budget, live = self.prefetch_size, self._live_numel()
+        first = True
         for idx in order[start + 1:]:
-            # Note: the bucket holds what is gathered or in flight ahead of use, and units are
-            # started while it is not full: the last one may overfill it. So a unit larger
-            # than the bucket (a whole block: 12 x hidden^2 against "auto"'s 0.9 x hidden^2,
-            # or a JSON's 5e7) is still fetched one ahead; stopping short of it would leave
-            # every gather and upload on the critical path.
             u = self.all_units[idx]
-            if u.persistent:
-                continue                        # whole on every rank: never gathered
-            if budget <= 0:
-                break
-            budget -= u.numel
             if u.state != FREE:
-                continue                        # gathered or in flight already
-            if live + u.numel > self.options.stage3_max_live_parameters:
+                first = False
+                continue
+            # Note: the next unit is always prefetched when live parameters allow, even if it
+            # is larger than the bucket (any bucket but 0): a whole block (12 x hidden^2) is
+            # larger than "auto"'s 0.9 x hidden^2 and than a DeepSpeed JSON's usual 5e7 at
+            # 1.3B, and a block never fetched ahead leaves every gather and upload on the
+            # critical path.
+            over = budget < u.numel and not (first and budget > 0)
+            if over or live + u.numel > self.options.stage3_max_live_parameters:
                 break
+            first = False
             if self.offload is not None and not self.offload.unit_ready(u, by_timing=self.layout_world == 1):
                 break                           # its sub-group is still stepping: fetched on use
             if not (self._tiered(u) and self.offload_param.prefetch(u.index)):
                 self._start(u)                  # (a shard out of memory is only read ahead)
             self.prefetch_count += 1
+            budget -= u.numel
             live += u.numel
 
     def _live_numel(self) -> int:

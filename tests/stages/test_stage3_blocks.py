@@ -192,10 +192,10 @@ def test_one_unit_and_fewer_collectives_per_block(results):
 
 
 def test_a_unit_larger_than_the_bucket_is_still_fetched_one_ahead(results):
-    """The bucket holds what is gathered or in flight ahead of use; units start while it is
-    not full. A bucket of 1 element is smaller than every unit, yet each forward (after the
-    first, which records the order) starts each next unit while the current one runs:
-    the 3 layers and the head. A bucket of 0 starts nothing ahead."""
+    """The next unit is fetched ahead whatever the bucket's size (but 0): a bucket of 1
+    element is smaller than every unit, yet each forward (after the first, which records the
+    order) starts each next unit while the current one runs: the 3 layers and the head. A
+    bucket of 0 starts nothing ahead."""
     r = results[0]
     assert r["blocks, bucket of 1 element"]["forward_prefetches"] == LAYERS + 1
     assert r["blocks"]["forward_prefetches"] == LAYERS + 1       # "auto" (0.9 x 16^2) likewise
