@@ -71,6 +71,10 @@ PRESETS: dict[str, GPTConfig] = {
         "5.3B": (32, 3584, 28),
         "7.7B": (32, 4352, 34),
         "8.6B": (32, 4608, 36),
+        # between 8.6B and 13B (40 layers, heads of 128): what fits one host's memory with offload
+        "9.5B": (40, 4352, 34),
+        "10.7B": (40, 4608, 36),
+        "11.9B": (40, 4864, 38),
     }.items()
 }
 # Byte-level default for `zeroplug train` on a laptop-class CPU: about 0.8 M parameters;

@@ -1,7 +1,7 @@
 """The largest model that trains on one machine with parameters and optimizer offloaded to
 the host: zeroplug beside DeepSpeed, in one call.
 
-    python3 -m tests.benchmarks.largest_model                      # 13B, 8.6B, 7.7B; every engine
+    python3 -m tests.benchmarks.largest_model                      # 6.7B .. 13B; every engine
     python3 -m tests.benchmarks.largest_model --budget-s 540 --engines zeroplug-int8,deepspeed-bf16
     python3 -m tests.benchmarks.largest_model --models char-tiny --seq 64 --micro 2   # CPU smoke run
 
@@ -12,8 +12,10 @@ model (stage 3 builds it partitioned: ``zeroplug.init`` or ``deepspeed.zero.Init
 trains ``--steps`` steps (the first ``--warmup`` untimed) of the reference workload
 (shared/WORKLOAD.md: micro batch 8, sequence 1,024, bf16, AdamW lr 1e-4, clipping 1.0,
 activation checkpointing on every block, random tokens). The first candidate that trains
-is the engine's largest; one that runs out of GPU memory (OOM), is killed by the kernel
-(host OOM: SIGKILL), fails or passes its time limit sends the search one size down.
+is the engine's largest, and the search then tries the larger ones until one does not
+train (``--no-probe-up``: it stops there); one that runs out of GPU memory (OOM), is
+killed by the kernel (host OOM: SIGKILL), fails or passes its time limit sends the search
+one size down.
 ``--budget-s`` bounds the whole run (each engine gets an equal share of what is left, each
 candidate at most ``--timeout-s``); what is known then is printed.
 
@@ -54,9 +56,10 @@ from tests.benchmarks.memory_floor import OOM_EXIT, deepspeed_installed, zeroplu
 
 GiB = 1024 ** 3
 DS_CONFIGS = Path(__file__).parent / "deepspeed_configs"
-DEFAULT_MODELS = "13B,8.6B,7.7B"
-#: host memory of the process beside the states: torch and CUDA, pinned staging, allocator slack
-FIXED_HOST_GIB = 6.0
+DEFAULT_MODELS = "13B,11.9B,10.7B,9.5B,8.6B,7.7B,6.7B"
+#: host memory of the process beside the states: torch and CUDA, staging, allocator slack
+#: (docs/benchmarks.md, "The largest model": the peaks measured above the states)
+FIXED_HOST_GIB = 3.0
 
 
 def _zeroplug(state_dtype: str, from_masters: bool = True) -> dict:
@@ -117,6 +120,7 @@ def deepspeed_cfg(spec: dict, micro: int) -> dict:
 def probe(args) -> int:
     """Build and train one candidate; print ``PROBE {json}``; exit OOM_EXIT on GPU OOM."""
     from zeroplug.benchmarking.measure import make_runner, peak_host_bytes, sync
+    from zeroplug.errors import HostMemoryError
     from zeroplug.plugins.workload.models import GPT, get_preset, param_count
     spec = ENGINES[args.engine]
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -166,6 +170,8 @@ def probe(args) -> int:
                    step_times=[round(t, 3) for t in times])
     except torch.OutOfMemoryError as exc:
         out["error"] = "GPU OOM: " + str(exc).splitlines()[0][:160]
+    except HostMemoryError as exc:      # zeroplug's budget check, before anything is allocated
+        out["error"] = "host memory (refused by initialize): " + str(exc)[:240]
     finally:
         if device.type == "cuda":
             out["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GiB
@@ -245,10 +251,11 @@ def run_candidate(model: str, engine: str, args, timeout: float) -> dict:
 
 
 def search(args) -> dict:
+    """Per engine: down from the largest preset predicted to fit until one trains, then up
+    from there until one does not (the estimate may be wrong either way), within the budget."""
     deadline = time.time() + args.budget_s
-    models = args.models.split(",")
     from zeroplug.plugins.workload.models import get_preset, param_count
-    models.sort(key=lambda m: param_count(get_preset(m)), reverse=True)
+    models = sorted(args.models.split(","), key=lambda m: param_count(get_preset(m)))     # smallest first
     engines = args.engines.split(",")
     host = args.host_gib or host_available_gib()
     found: dict = {}
@@ -259,24 +266,41 @@ def search(args) -> dict:
             found[engine]["note"] = "not installed"
             print(f"{engine}: not installed", flush=True)
             continue
-        fitting = [m for m in models if predicted_host_gib(engine, m) <= host]
-        skipped = [m for m in models if m not in fitting]
-        if skipped:
-            tried.append({"note": f"predicted not to fit {host:.0f} GiB: {', '.join(skipped)}"})
-        for model in fitting:
+        fits = [k for k, m in enumerate(models) if predicted_host_gib(engine, m) <= host]
+        start = fits[-1] if fits else 0
+        if start + 1 < len(models):
+            tried.append({"note": f"predicted not to fit {host:.0f} GiB: {', '.join(models[start + 1:])}"})
+
+        def attempt(k: int) -> bool | None:
+            """True: trains; False: does not; None: no time left for it."""
             share = (deadline - time.time()) / (len(engines) - i)
             if share < 15:
                 tried.append({"note": "budget spent"})
-                break
+                return None
+            model = models[k]
             r = run_candidate(model, engine, args, min(share, args.timeout_s))
             r["predicted_host_gib"] = round(predicted_host_gib(engine, model), 1)
             tried.append(r)
             print(f"  {engine:<24} {model:>9}: {r['outcome']}  ({r.get('tokens_per_s', 0):,.0f} tokens/s, host peak "
                   f"{r['sampled_peak_rss_gib']:.1f} GiB (predicted {r['predicted_host_gib']:.1f}), GPU peak "
                   f"{r.get('peak_gpu_gib', 0):.1f} GiB, {r['wall_s']} s)", flush=True)
-            if r["outcome"] == "trains":
-                found[engine]["largest"] = model
+            return r["outcome"] == "trains"
+
+        best = None
+        for k in range(start, -1, -1):
+            ok = attempt(k)
+            if ok is None:
                 break
+            if ok:
+                best = k
+                break
+        if best is not None and args.probe_up:
+            for k in range(best + 1, len(models)):
+                ok = attempt(k)
+                if not ok:
+                    break
+                best = k
+        found[engine]["largest"] = models[best] if best is not None else None
     return {"host_gib": host, "engines": found}
 
 
@@ -309,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole search")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="seconds per candidate at most")
     ap.add_argument("--host-gib", type=float, default=0.0, help="host memory to plan for (0: available now)")
+    ap.add_argument("--no-probe-up", dest="probe_up", action="store_false",
+                    help="stop at the first preset that trains (default: then try the larger ones until one fails)")
     args = ap.parse_args(argv)
     unknown = [e for e in args.engines.split(",") if e not in ENGINES]
     if args.what == "search" and unknown:

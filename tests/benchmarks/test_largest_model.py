@@ -18,24 +18,28 @@ def test_host_bytes_per_parameter_arithmetic():
     assert lm.host_bytes_per_param("zeroplug-int8") == 8 + 8 / 256
     assert lm.host_bytes_per_param("deepspeed") == 18 and lm.host_bytes_per_param("deepspeed-bf16") == 10
     # 13B with int8 states fits a 128 GiB host with room; with fp32 states it does not
-    assert lm.predicted_host_gib("zeroplug-int8", "13B") < 110 < lm.predicted_host_gib("zeroplug-fp32", "13B")
+    assert lm.predicted_host_gib("zeroplug-int8", "13B") < 105 < 128 < lm.predicted_host_gib("zeroplug-fp32", "13B")
 
 
 def test_search_on_the_cpu(tmp_path, monkeypatch, capsys):
-    """125M is predicted not to fit the given host and is skipped; char-tiny trains in a
-    process of its own; the table and the JSON say so."""
+    """125M is predicted not to fit the given host, so the search starts at char-tiny, which
+    trains in a process of its own; it then tries 125M, which zeroplug's host budget refuses
+    (ZEROPLUG_HOST_MEMORY_LIMIT); the table and the JSON say so."""
     monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "eager")       # no kernel build in the children
+    monkeypatch.setenv("ZEROPLUG_HOST_MEMORY_LIMIT", "200MiB")  # char-tiny fits, 125M does not
     monkeypatch.setenv("OUT", str(tmp_path))
     engines = "zeroplug-int8" + ("" if deepspeed_installed() else ",deepspeed-bf16")
-    assert lm.main(["--models", "char-tiny,125M", "--engines", engines, "--seq", "32", "--micro", "2",
-                    "--steps", "2", "--host-gib", "6.5", "--budget-s", "120"]) == 0
+    assert lm.main(["--models", "125M,char-tiny", "--engines", engines, "--seq", "32", "--micro", "2",
+                    "--steps", "2", "--host-gib", "3.5", "--budget-s", "300"]) == 0
     out = capsys.readouterr().out
     res = json.loads((tmp_path / "largest_model.json").read_text())
     z = res["engines"]["zeroplug-int8"]
     assert z["largest"] == "char-tiny"
-    assert "predicted not to fit" in z["tried"][0]["note"] and "125M" in z["tried"][0]["note"]
-    run = z["tried"][1]
-    assert run["outcome"] == "trains" and run["tokens_per_s"] > 0 and run["sampled_peak_rss_gib"] > 0
+    note, tiny, up = z["tried"]
+    assert "predicted not to fit" in note["note"] and "125M" in note["note"]
+    assert tiny["model"] == "char-tiny" and tiny["outcome"] == "trains"
+    assert tiny["tokens_per_s"] > 0 and tiny["sampled_peak_rss_gib"] > 0
+    assert up["model"] == "125M" and up["outcome"].startswith("host memory (refused by initialize)")
     assert "| zeroplug-int8 | 8.03 | char-tiny |" in out
     if not deepspeed_installed():
         assert "| deepspeed-bf16 | 10.00 | not installed |" in out
