@@ -125,7 +125,8 @@ def probe(args) -> int:
     spec = ENGINES[args.engine]
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     mcfg = get_preset(args.model, activation_checkpointing=True)
-    out: dict = {"model": args.model, "engine": args.engine, "params": param_count(mcfg)}
+    out: dict = {"model": args.model, "engine": args.engine, "params": param_count(mcfg),
+                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     if spec["kind"] == "deepspeed":
         if not deepspeed_installed():
             out["error"] = "not installed"
@@ -318,7 +319,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("what", nargs="?", default="search", choices=["search", "probe"])
     ap.add_argument("--models", default=DEFAULT_MODELS, help="presets to search (any order)")
     ap.add_argument("--engines", default=DEFAULT_ENGINES, help="comma-separated: " + ", ".join(ENGINES))
@@ -342,11 +343,15 @@ def main(argv=None) -> int:
         return 2
     if args.what == "probe":
         return probe(args)
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    # Note: the parent never creates a CUDA context (host memory the candidates need); the
+    # children name the GPU
+    gpu = f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "cpu"
     print(f"largest model with parameters and optimizer offloaded to the host: {gpu}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, micro batch {args.micro} x {args.seq}, budget {args.budget_s:.0f} s", flush=True)
     result = search(args)
-    result.update(argv=sys.argv[1:] if argv is None else argv, gpu=gpu)
+    names = {t["gpu"] for f in result["engines"].values() for t in f["tried"] if t.get("gpu")}
+    result.update(argv=sys.argv[1:] if argv is None else argv, gpu=", ".join(sorted(names)) or gpu)
+    print(f"\n{result['gpu']}, host memory planned for: {result['host_gib']:.1f} GiB")
     print()
     print(table(result), flush=True)
     out = os.environ.get("OUT")
