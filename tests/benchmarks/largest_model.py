@@ -1,7 +1,7 @@
 """The largest model that trains on one machine with parameters and optimizer offloaded to
 the host: zeroplug beside DeepSpeed, in one call.
 
-    python3 -m tests.benchmarks.largest_model                      # 6.7B .. 13B; every engine
+    python3 -m tests.benchmarks.largest_model                      # 5.3B .. 13B; every engine
     python3 -m tests.benchmarks.largest_model --budget-s 540 --engines zeroplug-int8,deepspeed-bf16
     python3 -m tests.benchmarks.largest_model --models char-tiny --seq 64 --micro 2   # CPU smoke run
 
@@ -16,8 +16,9 @@ is the engine's largest, and the search then tries the larger ones until one doe
 train (``--no-probe-up``: it stops there); one that runs out of GPU memory (OOM), is
 killed by the kernel (host OOM: SIGKILL), fails or passes its time limit sends the search
 one size down.
-``--budget-s`` bounds the whole run (each engine gets an equal share of what is left, each
-candidate at most ``--timeout-s``); what is known then is printed.
+``--budget-s`` bounds the whole run: the engines run in ``--engines`` order, each candidate
+at most ``--timeout-s`` and never into the ``--reserve-s`` kept for each engine still to
+come; what is known when it ends is printed.
 
 Engines (``--engines``, in the order they run):
 
@@ -56,7 +57,7 @@ from tests.benchmarks.memory_floor import OOM_EXIT, deepspeed_installed, zeroplu
 
 GiB = 1024 ** 3
 DS_CONFIGS = Path(__file__).parent / "deepspeed_configs"
-DEFAULT_MODELS = "13B,11.9B,10.7B,9.5B,8.6B,7.7B,6.7B"
+DEFAULT_MODELS = "13B,11.9B,10.7B,9.5B,8.6B,7.7B,6.7B,5.3B"
 #: host memory of the process beside the states: torch and CUDA, staging, allocator slack
 #: (docs/benchmarks.md, "The largest model": the peaks measured above the states)
 FIXED_HOST_GIB = 3.0
@@ -274,12 +275,13 @@ def search(args) -> dict:
 
         def attempt(k: int) -> bool | None:
             """True: trains; False: does not; None: no time left for it."""
-            share = (deadline - time.time()) / (len(engines) - i)
-            if share < 15:
+            # what is left, less what the engines after this one are promised
+            limit = min(args.timeout_s, deadline - time.time() - args.reserve_s * (len(engines) - 1 - i))
+            if limit < 15:
                 tried.append({"note": "budget spent"})
                 return None
             model = models[k]
-            r = run_candidate(model, engine, args, min(share, args.timeout_s))
+            r = run_candidate(model, engine, args, limit)
             r["predicted_host_gib"] = round(predicted_host_gib(engine, model), 1)
             tried.append(r)
             print(f"  {engine:<24} {model:>9}: {r['outcome']}  ({r.get('tokens_per_s', 0):,.0f} tokens/s, host peak "
@@ -333,6 +335,9 @@ def main(argv=None) -> int:
                     help="where zeroplug's module constructors initialise the parameters (CUDA runs)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole search")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="seconds per candidate at most")
+    ap.add_argument("--reserve-s", type=float, default=150.0,
+                    help="seconds of the budget kept for each engine after the one running (engines run in "
+                         "--engines order, so the first ones may use the rest)")
     ap.add_argument("--host-gib", type=float, default=0.0, help="host memory to plan for (0: available now)")
     ap.add_argument("--no-probe-up", dest="probe_up", action="store_false",
                     help="stop at the first preset that trains (default: then try the larger ones until one fails)")
