@@ -138,3 +138,49 @@ def test_gpu_lane_not_used_with_masters_gathered(caplog):
     train(e, 2)
     assert e.offload_optimizer.lane is None
     e.close()
+
+
+def test_frozen_parameters_stay_in_the_param_tier():
+    """Frozen units have no master: their bf16 shards stay in the param tier, the trainable
+    ones are gathered from their masters; values equal the param tier's run."""
+    runs = []
+    for flag in (False, True):
+        cfg = config(flag)
+        torch.manual_seed(0)
+        with zeroplug.init(cfg):
+            model = ToyNet()
+        model.emb.weight.requires_grad_(False)
+        e = zeroplug.initialize(model, cfg)
+        frozen = [u for u in e.partitioner.all_units if not u.trainable]
+        assert frozen and all(u.shard.untyped_storage().size() > 0 for u in frozen)
+        runs.append((train(e, 3), masters(e), params(e)))
+        e.close()
+    (la, ma, pa), (lb, mb, pb) = runs
+    assert la == lb and all(torch.equal(x, y) for x, y in zip(ma, mb))
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def _two_ranks(rank, world, flag):
+    e = engine(config(flag))
+    n = GB // world
+    out = []
+    for x, y in batches(3, GB, seed=3):
+        loss = e(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        e.backward(loss)
+        e.step()
+        out.append(float(loss.detach()))
+    sd = e.consolidated_state_dict()
+    e.close()
+    return out, {k: v.detach().clone() for k, v in sd.items()} if sd is not None else None
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_the_param_tier():
+    """Two gloo ranks: each gathers its shard of the master (cast) where the param tier's run
+    gathers its bf16 shard; the same losses and parameters."""
+    from tests.support.distributed import run_ranks
+    a = run_ranks(_two_ranks, 2, False, timeout=600)
+    b = run_ranks(_two_ranks, 2, True, timeout=600)
+    assert [r[0] for r in a] == [r[0] for r in b]
+    pa, pb = a[0][1], b[0][1]
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
