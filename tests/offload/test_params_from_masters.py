@@ -184,3 +184,16 @@ def test_two_ranks_equal_the_param_tier():
     assert [r[0] for r in a] == [r[0] for r in b]
     pa, pb = a[0][1], b[0][1]
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_speculative_step_with_masters_gathered():
+    """speculative_step steps sub-groups during the backward (writing their masters once their
+    gradients are final): the same values as the param tier's run with it."""
+    runs = []
+    for flag in (False, True):
+        e = engine(config(flag, speculative_step=True))
+        assert e.offload_optimizer.speculation is not None
+        runs.append((train(e, 4), masters(e)))
+        e.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(x, y) for x, y in zip(runs[0][1], runs[1][1]))
