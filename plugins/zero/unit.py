@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zeroplug.flat import alloc_storage, free_storage
 from .flat_layout import FlatLayout
@@ -57,6 +58,12 @@ def op_name(func) -> str:
     return name
 
 
+#: each released parameter's gather of its unit (Unit.fetch_on_read). Note: kept beside the
+#: parameters, not on them: an attribute would travel with the parameter into a pickle
+#: (``torch.save(p)``, ``copy.deepcopy``), and a closure over the engine cannot be pickled.
+FETCH_ON_READ: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 class ReleasedParam(NoGatherRepr, torch.nn.Parameter):
     """A stage-3 parameter whose unit is released (its values are on the ranks' shards).
 
@@ -66,7 +73,6 @@ class ReleasedParam(NoGatherRepr, torch.nn.Parameter):
     gradient is reduced (or the next forward). Every rank runs the same code, so the
     gathers pair up. While a unit is gathered its parameters are plain ``nn.Parameter``
     objects: modules' forwards pay nothing for this."""
-    _zp_fetch: Callable[[], None]       # gathers its unit (Unit.fetch_on_read)
 
     def __repr__(self):
         return (f"Parameter(shape={tuple(self.shape)}, dtype={self.dtype}; ZeRO stage 3 shard, "
@@ -83,7 +89,7 @@ class ReleasedParam(NoGatherRepr, torch.nn.Parameter):
         if op_name(func) not in METADATA_OPS:
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, ReleasedParam):
-                    t._zp_fetch()
+                    FETCH_ON_READ[t]()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -166,7 +172,7 @@ class Unit:
         """``fetch()`` gathers this unit when a parameter of it is read while it is released
         (:class:`ReleasedParam`)."""
         for p in self.params:
-            p._zp_fetch = fetch
+            FETCH_ON_READ[p] = fetch
 
     # -- stage 3: gather / release ------------------------------------------------
     def start_gather(self, comm, upload=None) -> None:

@@ -200,3 +200,23 @@ def test_a_unit_larger_than_the_bucket_is_still_fetched_one_ahead(results):
     assert r["blocks, bucket of 1 element"]["forward_prefetches"] == LAYERS + 1
     assert r["blocks"]["forward_prefetches"] == LAYERS + 1       # "auto" (0.9 x 16^2) likewise
     assert r["blocks, no prefetch"]["forward_prefetches"] == 0
+
+
+def test_a_parameter_read_outside_its_module_pickles(tmp_path):
+    """``torch.save(p.cpu())`` of a released stage-3 parameter (DeepSpeed-Chat's save does
+    it on its whole-parameter path): the read gathers the unit, and what is saved is the
+    parameter's values, nothing of the engine (a block's unit is sharded, not persistent)."""
+    from tests.support.toy import ToyNet, batches, train_steps
+    torch.manual_seed(0)
+    model = ToyNet()
+    engine = zeroplug.initialize(model, {
+        "zero": {"plugin": "stage3"}, "batch": {"micro_batch_size": 4}, "monitor": {"plugin": "none"},
+        "offload": {"optimizer": {"plugin": "cpu"}, "param": {"plugin": "cpu"}}})
+    train_steps(engine, batches(2, 4), 2)
+    weight = model.blocks[0][0].weight
+    assert type(weight).__name__ == "ReleasedParam"
+    torch.save({"w": weight.cpu()}, tmp_path / "w.pt")
+    saved = torch.load(tmp_path / "w.pt", weights_only=True)["w"]
+    with engine.gathered_parameters():
+        assert torch.equal(saved, model.blocks[0][0].weight.detach())
+    engine.close()
