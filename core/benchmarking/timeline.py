@@ -127,18 +127,18 @@ def analyse(trace_events: list[dict], steps: int = 1, top_gaps: int = 8, min_gap
             c = comm_kinds.setdefault(_comm_kind(k.name), [0, 0.0])
             c[0] += 1
             c[1] += k.end_us - k.start_us
-    gaps = []
-    compute = [k for k in ks if k.kind == "compute"]
+    # the longest stretches between merged compute intervals; neighbours named for those only
     comp_u = by["compute"]
-    for (a0, b0), (a1, _) in zip(comp_u, comp_u[1:]):
-        if a1 - b0 < min_gap_us:
-            continue
+    longest = sorted(((a1 - b0, b0, a1) for (_, b0), (a1, _) in zip(comp_u, comp_u[1:]) if a1 - b0 >= min_gap_us),
+                     reverse=True)[:top_gaps]
+    compute = [k for k in ks if k.kind == "compute"]
+    gaps = []
+    for length_us, b0, a1 in longest:
         before = max((k for k in compute if k.end_us <= b0 + 1e-6), key=lambda k: k.end_us, default=None)
         after = min((k for k in compute if k.start_us >= a1 - 1e-6), key=lambda k: k.start_us, default=None)
         during = sorted({_comm_kind(k.name) for k in ks if k.kind == "comm" and k.start_us < a1 and k.end_us > b0})
-        gaps.append(((a1 - b0) / 1e3, before.name[:60] if before else "", after.name[:60] if after else "",
+        gaps.append((length_us / 1e3, before.name[:60] if before else "", after.name[:60] if after else "",
                      ",".join(during) or "-"))
-    gaps.sort(key=lambda g: -g[0])
     ms = 1e3 * n
     return Summary(
         steps=n, window_ms=(window[1] - window[0]) / ms,
@@ -147,7 +147,7 @@ def analyse(trace_events: list[dict], steps: int = 1, top_gaps: int = 8, min_gap
         exposed_copy_ms=length(subtract(subtract(by["copy"], by["compute"]), by["comm"])) / ms,
         idle_ms=(window[1] - window[0] - length(busy)) / ms,
         comm_kernels={k: (c / n, d / ms) for k, (c, d) in sorted(comm_kinds.items())},
-        gaps=gaps[:top_gaps])
+        gaps=gaps)
 
 
 def format_summary(s: Summary, label: str = "") -> str:
