@@ -103,11 +103,11 @@ def cast_upload(dst: torch.Tensor, src: torch.Tensor) -> None:
     chunk copied up into an fp32 buffer, then cast. Note: one chunk buffer at a time (the
     copies and casts run in order on one stream), not an fp32 copy of the whole unit."""
     n = dst.numel()
+    buf = torch.empty(min(n, UPLOAD_CHUNK), dtype=src.dtype, device=dst.device)
     for s in range(0, n, UPLOAD_CHUNK):
         e = min(n, s + UPLOAD_CHUNK)
-        buf = torch.empty(e - s, dtype=src.dtype, device=dst.device)
-        buf.copy_(src[s:e], non_blocking=True)
-        dst[s:e].copy_(buf)
+        buf[:e - s].copy_(src[s:e], non_blocking=True)
+        dst[s:e].copy_(buf[:e - s])
 
 
 class _EventHandle:
