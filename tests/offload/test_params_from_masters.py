@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zeroplug
-from tests.support.toy import ToyNet, batches
+from tests.support.toy import ToyNet, batches, build_engine
 from zeroplug.errors import ConfigError
 
 GB = 8
@@ -25,13 +25,7 @@ def config(from_masters: bool, state_dtype: str = "int8", persist: int = 0, **cp
 
 
 def engine(cfg, use_init=True):
-    torch.manual_seed(0)
-    if use_init:
-        with zeroplug.init(cfg):
-            model = ToyNet()
-    else:
-        model = ToyNet()
-    return zeroplug.initialize(model, cfg)
+    return build_engine(ToyNet, cfg, use_init)
 
 
 def train(e, steps: int, seed: int = 1) -> list[float]:

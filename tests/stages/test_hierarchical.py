@@ -17,7 +17,7 @@ from zeroplug.benchmarking.wire import Collectives, spans_hosts
 from tests.stages.test_stage_equivalence import (CLIP, GLOBAL_BATCH, LR, STEPS, TOL, WEIGHT_DECAY, data,
                                                  make_config, reference)
 from tests.support.distributed import run_ranks
-from tests.support.toy import ToyNet
+from tests.support.toy import ToyNet, build_engine
 
 CPU = {"optimizer": {"plugin": "cpu"}, "param": {"plugin": "cpu"}}
 # (stage, precision, clip, gas, zeroplug.init, tables added to the config)
@@ -61,17 +61,6 @@ def _config(stage, precision, clip, gas, world, group, tables):
     return cfg
 
 
-def _engine(cfg, use_init):
-    import zeroplug
-    torch.manual_seed(0)
-    if use_init:
-        with zeroplug.init(cfg):
-            model = ToyNet()
-    else:
-        model = ToyNet()
-    return zeroplug.initialize(model, cfg)
-
-
 def _train(engine, rank, world, gas, steps):
     m = GLOBAL_BATCH // (gas * world)
     losses = []
@@ -96,7 +85,8 @@ def run_cases(rank, world, group, ckpt_dir, loads):
     out = {"cases": {}, "wire": {}, "crossing": {}, "ref": {}, "loaded": {}}
     cases = dict(CASES, **(HPZ_CASES if world == 4 else {}))
     for name, (stage, precision, clip, gas, use_init, zero) in cases.items():
-        e = _engine(_config(stage, precision, clip, gas, world, None if name in HPZ_CASES else group, zero), use_init)
+        cfg = _config(stage, precision, clip, gas, world, None if name in HPZ_CASES else group, zero)
+        e = build_engine(ToyNet, cfg, use_init)
         losses = _train(e, rank, world, gas, range(STEPS))
         sd = e.consolidated_state_dict()
         out["cases"][name] = {"losses": losses, "state": sd, "skipped": e.skipped_steps,
@@ -108,7 +98,7 @@ def run_cases(rank, world, group, ckpt_dir, loads):
     if world == 4:
         runs.update({"hpz2": ("hpz2", no_reuse), "flat, no reuse": (None, no_reuse)})
     for key, (g, tables) in runs.items():
-        e = _engine(_config(3, "bf16", 0.0, 1, world, g, tables), False)
+        e = build_engine(ToyNet, _config(3, "bf16", 0.0, 1, world, g, tables), False)
         _train(e, rank, world, 1, range(1))
         with Collectives() as rec:
             _train(e, rank, world, 1, range(1, 2))
@@ -119,13 +109,13 @@ def run_cases(rank, world, group, ckpt_dir, loads):
         out["deepspeed"], out["bad"] = _deepspeed_and_bad_size(rank, world)
         out["need"] = {g: _refused_save(rank, world, g, f"{ckpt_dir}/full{g}") for g in (group, None)}
     for g in (group,) + (("hpz2",) if world == 4 else ()):
-        e = _engine(_config(3, "fp32", 0.0, 1, world, g, {}), False)
+        e = build_engine(ToyNet, _config(3, "fp32", 0.0, 1, world, g, {}), False)
         _train(e, rank, world, 1, range(K))
         e.save_checkpoint(f"{ckpt_dir}/w{world}g{g}")
         out["ref"][g] = _train(e, rank, world, 1, range(K, STEPS))
         e.close()
     for src in loads:
-        e = _engine(_config(3, "fp32", 0.0, 1, world, group, {}), False)
+        e = build_engine(ToyNet, _config(3, "fp32", 0.0, 1, world, group, {}), False)
         torch.manual_seed(123)      # (the load, not the seed, must give the values)
         e.load_checkpoint(f"{ckpt_dir}/w{src[0]}g{src[1]}")
         out["loaded"][src] = _train(e, rank, world, 1, range(K, STEPS))
@@ -140,7 +130,7 @@ def _deepspeed_and_bad_size(rank, world):
     ds = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
           "steps_per_print": 10_000, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}}}
-    e = _engine(ds, False)
+    e = build_engine(ToyNet, ds, False)
     ds_run = {"losses": _train(e, rank, world, 1, range(STEPS)), "state": e.consolidated_state_dict(),
               "skipped": e.skipped_steps, "layout_world": e.partitioner.layout_world}
     e.close()
@@ -155,7 +145,7 @@ def _deepspeed_and_bad_size(rank, world):
                 "skipped": e.skipped_steps, "layout_world": e.zeroplug_engine.partitioner.layout_world}
     e.destroy()
     try:
-        _engine(_config(2, "fp32", 0.0, 1, world, 3, {}), False)
+        build_engine(ToyNet, _config(2, "fp32", 0.0, 1, world, 3, {}), False)
         bad = None
     except ConfigError as exc:
         bad = (str(exc), exc.key)
@@ -167,7 +157,7 @@ def _refused_save(rank, world, group, path):
     check refuses it before writing, naming the size)."""
     from zeroplug.checkpoint import CheckpointError
     from zeroplug.checkpoint import directory
-    e = _engine(_config(3, "fp32", 0.0, 1, world, group, {}), False)
+    e = build_engine(ToyNet, _config(3, "fp32", 0.0, 1, world, group, {}), False)
     _train(e, rank, world, 1, range(1))
     real, directory.free_bytes = directory.free_bytes, lambda d: 1
     try:

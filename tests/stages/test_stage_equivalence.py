@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_ranks
-from tests.support.toy import ToyNet, batches
+from tests.support.toy import ToyNet, batches, build_engine
 
 STEPS = 20
 GLOBAL_BATCH = 8            # divisible by world (4) x gradient_accumulation_steps (2)
@@ -113,15 +113,8 @@ def make_config(stage, precision, clip=0.0, gas=1, prefetch=None, world=1):
 
 
 def train_case(rank, world, stage, precision, clip, gas, use_init, prefetch):
-    import zeroplug
     cfg = make_config(stage, precision, clip, gas, prefetch, world)
-    torch.manual_seed(0)
-    if use_init:
-        with zeroplug.init(cfg):
-            model = ToyNet()
-    else:
-        model = ToyNet()
-    engine = zeroplug.initialize(model, cfg)
+    engine = build_engine(ToyNet, cfg, use_init)
     m = GLOBAL_BATCH // (gas * world)
     losses = []
     for x, y in data():

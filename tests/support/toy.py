@@ -52,10 +52,9 @@ def reference_losses(model_fn, steps, global_batch, lr=1e-2, clip=0.0, weight_de
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_init=False, device=None,
-                  after_init=None):
-    """The same run through zeroplug; each rank takes its slice of the global batch
-    (``after_init(engine)`` runs before the first step)."""
+def build_engine(model_fn, config, use_init=False, device=None):
+    """``zeroplug.initialize`` of ``model_fn()`` built from seed 0, inside ``zeroplug.init``
+    (each parameter built straight into its shards) when ``use_init``."""
     import zeroplug
     torch.manual_seed(0)
     if use_init:
@@ -63,7 +62,14 @@ def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_in
             model = model_fn()
     else:
         model = model_fn()
-    engine = zeroplug.initialize(model, config, device=device)
+    return zeroplug.initialize(model, config, device=device)
+
+
+def engine_losses(model_fn, steps, global_batch, config, rank=0, world=1, use_init=False, device=None,
+                  after_init=None):
+    """The same run through zeroplug; each rank takes its slice of the global batch
+    (``after_init(engine)`` runs before the first step)."""
+    engine = build_engine(model_fn, config, use_init, device)
     if after_init is not None:
         after_init(engine)
     dev = engine.run.device
