@@ -111,7 +111,7 @@ def _train(rank, world, config, how, dynamic=None):
     state = engine.consolidated_state_dict()
     if state is not None:       # (torch.compile's wrapper names the model _orig_mod)
         state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-    from zeroplug.plugins.zero.stage3 import eager
+    from zeroplug.plugins.zero.untraced import eager
     hook_code = eager(lambda: None).__code__        # (one code object for every stage-3 hook)
     graphs = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
               "hook_frames": len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(hook_code))}
