@@ -75,6 +75,13 @@ PRESETS: dict[str, GPTConfig] = {
         "9.5B": (40, 4352, 34),
         "10.7B": (40, 4608, 36),
         "11.9B": (40, 4864, 38),
+        # beyond 13B (heads of 128): what the hosts of several GPUs hold with offload
+        "22B": (48, 6144, 48),
+        "28B": (52, 6656, 52),
+        "35B": (56, 7168, 56),
+        "43B": (60, 7680, 60),
+        "52B": (64, 8192, 64),
+        "65B": (80, 8192, 64),
     }.items()
 }
 # Byte-level default for `zeroplug train` on a laptop-class CPU: about 0.8 M parameters;

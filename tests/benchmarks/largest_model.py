@@ -4,6 +4,8 @@ the host: zeroplug beside DeepSpeed, in one call.
     python3 -m tests.benchmarks.largest_model                      # 5.3B .. 13B; every engine
     python3 -m tests.benchmarks.largest_model --budget-s 540 --engines zeroplug-int8,deepspeed-bf16
     python3 -m tests.benchmarks.largest_model --models char-tiny --seq 64 --micro 2   # CPU smoke run
+    python3 -m tests.benchmarks.largest_model --gpus 4 --models 52B,43B,35B,28B,22B,13B   # a 4-GPU host
+    python3 -m tests.benchmarks.largest_model --gpus 4 --offload nvme --nvme-path /root/zp_nvme
 
 Each engine searches the presets (``--models``, ``zeroplug.plugins.workload.models.PRESETS``)
 from the largest that its host-bytes estimate says fits (``--host-gib``, default what the
@@ -34,6 +36,14 @@ Engines (``--engines``, in the order they run):
   ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``: master weights, gradients and
   Adam's moments in bf16 on the host; not exact, unlike zeroplug's fp32 masters).
 
+``--gpus N`` runs each candidate under ``torchrun --standalone --nproc-per-node N`` (stage 3
+shards the model over the N ranks; tokens/s per GPU is rank 0's; the host RSS is the sum over
+the candidate's processes). ``--offload nvme`` puts both tiers on NVMe at ``--nvme-path``
+instead (zeroplug: ``offload.optimizer`` and ``offload.param`` "nvme", the bf16 shards in the
+param tier, as the masters are on disk; DeepSpeed: both ``offload_*.device`` "nvme" with its
+``aio`` section), and the search also checks the estimate of the bytes on disk against the free
+space there.
+
 Per candidate: tokens/s (median step after the warm-up), peak host RSS (the parent samples
 the child's RSS every 0.2 s, so a child the kernel kills still has a peak), peak GPU memory
 (``torch.cuda.max_memory_allocated``), the build and initialize times, and the outcome. A
@@ -44,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -78,23 +89,53 @@ ENGINES = {
 DEFAULT_ENGINES = "zeroplug-int8,deepspeed-bf16,zeroplug-fp32,deepspeed"
 
 
-def host_bytes_per_param(engine: str) -> float:
-    """Host bytes per parameter the engine holds with both tiers offloaded (one rank).
+def host_bytes_per_param(engine: str, ranks: int = 1, offload: str = "cpu") -> float:
+    """Host bytes per parameter the engine holds with both tiers offloaded, all ranks together.
 
-    zeroplug: fp32 master 4 + bf16 gradient 2 (exact with one rank) + Adam's moments
-    (8 fp32, 4 bf16, 2 + 8/256 int8) + 2 for a bf16 parameter copy in the param tier unless
-    the gathers read the masters. DeepSpeed: bf16 parameters 2 + fp32 master 4 + fp32
-    gradient 4 + fp32 moments 8; with bf16 master weights, gradients and states 2 + 2 + 2 + 4."""
+    zeroplug: fp32 master 4 + gradient (bf16 2, exact with one rank; fp32 4 with several) +
+    Adam's moments (8 fp32, 4 bf16, 2 + 8/256 int8) + 2 for a bf16 parameter copy in the param
+    tier unless the gathers read the masters. DeepSpeed: bf16 parameters 2 + fp32 master 4 +
+    fp32 gradient 4 + fp32 moments 8; with bf16 master weights, gradients and states 2 + 2 + 2
+    + 4. ``offload="nvme"``: only the gradients stay in host memory (and swap buffers, counted
+    per rank in :func:`predicted_host_gib`); the rest is on disk (:func:`disk_bytes_per_param`)."""
     spec = ENGINES[engine]
     if spec["kind"] == "deepspeed":
-        return 10.0 if "bf16" in spec["json"] else 18.0
+        bf16 = "bf16" in spec["json"]
+        if offload == "nvme":
+            return 2.0 if bf16 else 4.0
+        return 10.0 if bf16 else 18.0
     from zeroplug.quantized_states import state_bytes
-    return 4 + 2 + state_bytes(spec["state_dtype"]) + (0 if spec["from_masters"] else 2)
+    grad = 2 if ranks == 1 else 4
+    if offload == "nvme":
+        return grad
+    return 4 + grad + state_bytes(spec["state_dtype"]) + (0 if spec["from_masters"] else 2)
 
 
-def predicted_host_gib(engine: str, model: str) -> float:
+def disk_bytes_per_param(engine: str, offload: str = "cpu") -> float:
+    """Bytes per parameter in the swap files with ``offload="nvme"`` (0 with "cpu"): the fp32
+    master and Adam's moments, and the bf16 parameter shards."""
+    if offload != "nvme":
+        return 0.0
+    spec = ENGINES[engine]
+    if spec["kind"] == "deepspeed":
+        return 2 + 2 + 4 if "bf16" in spec["json"] else 2 + 4 + 8
+    from zeroplug.quantized_states import state_bytes
+    return 2 + 4 + state_bytes(spec["state_dtype"])
+
+
+#: host memory per rank for the swap buffers with ``offload="nvme"`` (both tiers' pinned buffers)
+NVME_BUFFERS_GIB = 6.0
+
+
+def predicted_host_gib(engine: str, model: str, ranks: int = 1, offload: str = "cpu") -> float:
     from zeroplug.plugins.workload.models import get_preset, param_count
-    return param_count(get_preset(model)) * host_bytes_per_param(engine) / GiB + FIXED_HOST_GIB
+    per_rank = FIXED_HOST_GIB + (NVME_BUFFERS_GIB if offload == "nvme" else 0.0)
+    return param_count(get_preset(model)) * host_bytes_per_param(engine, ranks, offload) / GiB + ranks * per_rank
+
+
+def predicted_disk_gib(engine: str, model: str, offload: str = "cpu") -> float:
+    from zeroplug.plugins.workload.models import get_preset, param_count
+    return param_count(get_preset(model)) * disk_bytes_per_param(engine, offload) / GiB
 
 
 def host_available_gib() -> float:
@@ -103,18 +144,45 @@ def host_available_gib() -> float:
 
 
 # -- one candidate, in its own process -------------------------------------------------------
-def zeroplug_cfg(spec: dict, micro: int) -> dict:
+def swap_buffer_elements(mcfg, ranks: int) -> int:
+    """Elements the largest unit's shard (zeroplug) or parameter (DeepSpeed) can have: the
+    swap buffers of ``offload_param`` must hold one."""
+    d = mcfg.d_model
+    root = 2 * mcfg.vocab_size * d + mcfg.seq_len * d + 2 * d     # embeddings, final norm, head
+    block = 12 * d * d + 13 * d
+    return max(root, block) // ranks + (1 << 20)
+
+
+def zeroplug_cfg(spec: dict, micro: int, offload: str = "cpu", nvme_path: str = "", mcfg=None,
+                 ranks: int = 1) -> dict:
+    if offload == "nvme":
+        tier = {"plugin": "nvme", "nvme_path": nvme_path}
+        tiers = {"optimizer": dict(tier), "param": dict(tier, buffer_size=swap_buffer_elements(mcfg, ranks))}
+        from_masters = False        # the masters are on disk: the gathers read the param tier
+    else:
+        tiers = {"optimizer": {"plugin": "cpu"}, "param": {"plugin": "cpu"}}
+        from_masters = spec["from_masters"]
     cfg = zeroplug_config({
-        "zero": {"plugin": "stage3", "stage3_params_from_masters": spec["from_masters"]},
+        "zero": {"plugin": "stage3", "stage3_params_from_masters": from_masters},
         "optimizer": {"plugin": "auto", "lr": 1e-4, "state_dtype": spec["state_dtype"]},
-        "offload": {"optimizer": {"plugin": "cpu"}, "param": {"plugin": "cpu"}}})
+        "offload": tiers})
     cfg["batch"]["micro_batch_size"] = micro
     return cfg
 
 
-def deepspeed_cfg(spec: dict, micro: int) -> dict:
+def deepspeed_cfg(spec: dict, micro: int, offload: str = "cpu", nvme_path: str = "", mcfg=None) -> dict:
     cfg = json.loads((DS_CONFIGS / spec["json"]).read_text())
     cfg["train_micro_batch_size_per_gpu"] = micro
+    if offload == "nvme":
+        zo = cfg["zero_optimization"]
+        zo["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
+                                   "buffer_count": 4, "fast_init": False}
+        d = mcfg.d_model
+        zo["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True, "buffer_count": 5,
+                               "buffer_size": max(mcfg.vocab_size * d, 4 * d * d) + (1 << 20),
+                               "max_in_cpu": int(1e9)}
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                      "overlap_events": True}
     return cfg
 
 
@@ -124,18 +192,24 @@ def probe(args) -> int:
     from zeroplug.errors import HostMemoryError
     from zeroplug.plugins.workload.models import GPT, get_preset, param_count
     spec = ENGINES[args.engine]
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    rank, ranks = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     mcfg = get_preset(args.model, activation_checkpointing=True)
-    out: dict = {"model": args.model, "engine": args.engine, "params": param_count(mcfg),
+    out: dict = {"model": args.model, "engine": args.engine, "params": param_count(mcfg), "ranks": ranks,
+                 "offload": args.offload,
                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     if spec["kind"] == "deepspeed":
         if not deepspeed_installed():
             out["error"] = "not installed"
             print("PROBE " + json.dumps(out), flush=True)
             return 0
-        config = "deepspeed:" + str(_write_ds_json(spec, args.micro))
+        config = "deepspeed:" + str(_write_ds_json(deepspeed_cfg(spec, args.micro, args.offload, args.nvme_path, mcfg),
+                                                   spec["json"], rank))
     else:
-        config = zeroplug_cfg(spec, args.micro)
+        config = zeroplug_cfg(spec, args.micro, args.offload, args.nvme_path, mcfg, ranks)
     where = args.build_on if device.type == "cuda" else "cpu"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -178,16 +252,17 @@ def probe(args) -> int:
         if device.type == "cuda":
             out["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GiB
         out["peak_host_rss_gib"] = peak_host_bytes() / GiB
-        print("PROBE " + json.dumps(out, default=str), flush=True)
+        if rank == 0:
+            print("PROBE " + json.dumps(out, default=str), flush=True)
         if runner is not None:
             runner.close()
     return OOM_EXIT if "error" in out else 0
 
 
-def _write_ds_json(spec: dict, micro: int) -> Path:
+def _write_ds_json(cfg: dict, name: str, rank: int) -> Path:
     import tempfile
-    path = Path(tempfile.mkdtemp(prefix="largest_model_")) / spec["json"]
-    path.write_text(json.dumps(deepspeed_cfg(spec, micro)))
+    path = Path(tempfile.mkdtemp(prefix=f"largest_model_{rank}_")) / name
+    path.write_text(json.dumps(cfg))
     return path
 
 
@@ -202,11 +277,33 @@ def _rss_gib(pid: int | str = "self") -> float:
     return 0.0
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun's ranks)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _tree_rss_gib(pid: int) -> float:
+    return sum(_rss_gib(p) for p in _tree(pid))
+
+
 def run_candidate(model: str, engine: str, args, timeout: float) -> dict:
     """A fresh process for one candidate; its outcome, peak RSS sampled from here."""
-    cmd = [sys.executable, os.path.abspath(__file__), "probe", "--model", model, "--engine", engine,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
-           "--micro", str(args.micro), "--build-on", args.build_on]
+    launch = [sys.executable] if args.gpus <= 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"]
+    cmd = launch + [os.path.abspath(__file__), "probe", "--model", model, "--engine", engine,
+                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
+                    "--micro", str(args.micro), "--build-on", args.build_on, "--offload", args.offload,
+                    "--nvme-path", args.nvme_path]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
@@ -222,7 +319,7 @@ def run_candidate(model: str, engine: str, args, timeout: float) -> dict:
     for r in readers:
         r.start()
     while proc.poll() is None:
-        peak = max(peak, _rss_gib(proc.pid))
+        peak = max(peak, _tree_rss_gib(proc.pid))
         if time.time() - t0 > timeout:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
@@ -240,7 +337,8 @@ def run_candidate(model: str, engine: str, args, timeout: float) -> dict:
         res["outcome"] = f"timeout ({timeout:.0f} s)"
     elif res.get("error") == "not installed":
         res["outcome"] = "not installed"
-    elif proc.returncode in (-signal.SIGKILL, 137, 247):
+    elif proc.returncode in (-signal.SIGKILL, 137, 247) or (args.gpus > 1 and "SIGKILL" in "".join(chunks["err"])):
+        # torchrun exits 1 when the kernel kills a rank, and names the signal
         res["outcome"] = "host OOM (killed)"
     elif "error" in res:
         res["outcome"] = res["error"]
@@ -260,18 +358,25 @@ def search(args) -> dict:
     models = sorted(args.models.split(","), key=lambda m: param_count(get_preset(m)))     # smallest first
     engines = args.engines.split(",")
     host = args.host_gib or host_available_gib()
+    disk = float("inf")
+    if args.offload == "nvme":
+        os.makedirs(args.nvme_path, exist_ok=True)
+        disk = shutil.disk_usage(args.nvme_path).free / GiB
     found: dict = {}
     for i, engine in enumerate(engines):
         tried: list = []
-        found[engine] = {"largest": None, "tried": tried, "bytes_per_param": host_bytes_per_param(engine)}
+        found[engine] = {"largest": None, "tried": tried,
+                         "bytes_per_param": host_bytes_per_param(engine, args.gpus, args.offload)}
         if ENGINES[engine]["kind"] == "deepspeed" and not deepspeed_installed():
             found[engine]["note"] = "not installed"
             print(f"{engine}: not installed", flush=True)
             continue
-        fits = [k for k, m in enumerate(models) if predicted_host_gib(engine, m) <= host]
+        fits = [k for k, m in enumerate(models) if predicted_host_gib(engine, m, args.gpus, args.offload) <= host
+                and predicted_disk_gib(engine, m, args.offload) <= disk]
         start = fits[-1] if fits else 0
         if start + 1 < len(models):
-            tried.append({"note": f"predicted not to fit {host:.0f} GiB: {', '.join(models[start + 1:])}"})
+            room = f"{host:.0f} GiB" + (f" and {disk:.0f} GiB of disk" if args.offload == "nvme" else "")
+            tried.append({"note": f"predicted not to fit {room}: {', '.join(models[start + 1:])}"})
 
         def attempt(k: int) -> bool | None:
             """True: trains; False: does not; None: no time left for it."""
@@ -282,7 +387,7 @@ def search(args) -> dict:
                 return None
             model = models[k]
             r = run_candidate(model, engine, args, limit)
-            r["predicted_host_gib"] = round(predicted_host_gib(engine, model), 1)
+            r["predicted_host_gib"] = round(predicted_host_gib(engine, model, args.gpus, args.offload), 1)
             tried.append(r)
             print(f"  {engine:<24} {model:>9}: {r['outcome']}  ({r.get('tokens_per_s', 0):,.0f} tokens/s, host peak "
                   f"{r['sampled_peak_rss_gib']:.1f} GiB (predicted {r['predicted_host_gib']:.1f}), GPU peak "
@@ -312,7 +417,7 @@ def table(result: dict) -> str:
             "peak GPU GiB | build + initialize s | tried (outcome) |",
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for engine, f in result["engines"].items():
-        ok = next((t for t in f["tried"] if t.get("outcome") == "trains"), {})
+        ok = next((t for t in f["tried"] if t.get("outcome") == "trains" and t.get("model") == f["largest"]), {})
         tried = "; ".join(f"{t['model']}: {t['outcome']}" if "model" in t else t["note"] for t in f["tried"])
         rows.append(f"| {engine} | {f['bytes_per_param']:.2f} | {f['largest'] or f.get('note', 'none')} | "
                     f"{ok.get('tokens_per_s', 0):,.0f} | {ok.get('sampled_peak_rss_gib', 0):.1f} | "
@@ -339,6 +444,10 @@ def main(argv=None) -> int:
                     help="seconds of the budget kept for each engine after the one running (engines run in "
                          "--engines order, so the first ones may use the rest)")
     ap.add_argument("--host-gib", type=float, default=0.0, help="host memory to plan for (0: available now)")
+    ap.add_argument("--gpus", type=int, default=1, help="ranks per candidate (torchrun on one host when > 1)")
+    ap.add_argument("--offload", choices=["cpu", "nvme"], default="cpu",
+                    help="where both tiers offload: host memory, or swap files at --nvme-path")
+    ap.add_argument("--nvme-path", default="/root/zeroplug_nvme", help="--offload nvme: a directory on the disk")
     ap.add_argument("--no-probe-up", dest="probe_up", action="store_false",
                     help="stop at the first preset that trains (default: then try the larger ones until one fails)")
     args = ap.parse_args(argv)
@@ -351,7 +460,10 @@ def main(argv=None) -> int:
     # Note: the parent never creates a CUDA context (host memory the candidates need); the
     # children name the GPU
     gpu = f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "cpu"
-    print(f"largest model with parameters and optimizer offloaded to the host: {gpu}, {os.cpu_count()} cores, "
+    if args.gpus > 1:
+        gpu = f"{args.gpus} ranks, {gpu}"
+    where = "the host" if args.offload == "cpu" else f"NVMe ({args.nvme_path})"
+    print(f"largest model with parameters and optimizer offloaded to {where}: {gpu}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, micro batch {args.micro} x {args.seq}, budget {args.budget_s:.0f} s", flush=True)
     result = search(args)
     names = {t["gpu"] for f in result["engines"].values() for t in f["tried"] if t.get("gpu")}

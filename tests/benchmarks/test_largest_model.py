@@ -45,6 +45,34 @@ def test_search_on_the_cpu(tmp_path, monkeypatch, capsys):
         assert "| deepspeed-bf16 | 10.00 | not installed |" in out
 
 
+def test_several_ranks_and_nvme_arithmetic():
+    """With several ranks the gradient shard is fp32 (4 bytes); with NVMe only the gradients
+    stay in host memory and the rest goes to disk."""
+    assert lm.host_bytes_per_param("zeroplug-int8", ranks=4) == 10 + 8 / 256
+    assert lm.host_bytes_per_param("zeroplug-fp32", ranks=4, offload="nvme") == 4
+    assert lm.disk_bytes_per_param("zeroplug-int8", "nvme") == 8 + 8 / 256
+    assert lm.disk_bytes_per_param("deepspeed", "nvme") == 14 and lm.disk_bytes_per_param("zeroplug-int8") == 0
+    # four ranks' fixed memory is counted once per rank
+    one, four = lm.predicted_host_gib("zeroplug-int8", "13B"), lm.predicted_host_gib("zeroplug-int8", "13B", ranks=4)
+    assert four - one > 3 * lm.FIXED_HOST_GIB
+
+
+@pytest.mark.slow
+def test_two_ranks_on_nvme(tmp_path, monkeypatch, capsys):
+    """--gpus 2 --offload nvme on the CPU: each candidate is a torchrun of two gloo ranks with
+    both tiers swapping to files under --nvme-path; the table says which preset trained."""
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "eager")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert lm.main(["--gpus", "2", "--offload", "nvme", "--nvme-path", str(tmp_path / "nvme"),
+                    "--models", "char-tiny", "--engines", "zeroplug-int8", "--seq", "32", "--micro", "2",
+                    "--steps", "2", "--budget-s", "300"]) == 0
+    res = json.loads((tmp_path / "out" / "largest_model.json").read_text())
+    (tiny,) = res["engines"]["zeroplug-int8"]["tried"]
+    assert tiny["outcome"] == "trains" and tiny["ranks"] == 2 and tiny["offload"] == "nvme"
+    assert "| zeroplug-int8 | 4.00 | char-tiny |" in capsys.readouterr().out
+    assert not any((tmp_path / "nvme").rglob("*.swp")), "swap files left behind"
+
+
 def test_unknown_engine_is_refused(capsys):
     assert lm.main(["--engines", "zeroplug-int4"]) == 2
     assert capsys.readouterr().err.startswith("error: --engines zeroplug-int4: unknown")
