@@ -15,7 +15,10 @@ parameter; done with separate torch ops that would be 4-5 passes over memory.
 Two implementations, picked per call (``impl="auto"``, the default): ``compile``, one
 ``torch.compile`` d kernel over the whole sub-group (for conversions / lp copies /
 multipliers, where it works), or ``eager``, ATen's fused single-pass kernel. Both, and how
-the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`.
+the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`. Block-quantised
+8-bit moments take a third, ``native``: our own fused C kernel (:mod:`.cpu_adam_native`),
+at every size; ``impl="native"`` makes its failures errors, ``impl="compile"`` (or
+``eager``) never uses it.
 
 Tensors below ``_MIN_COMPILE_NUMEL`` always use ``eager`` (a compiled call costs ~30-40 us
 of guard and wrapper overhead).  Set ``ZEROPLUG_CPU_ADAM_IMPL=eager`` (or
@@ -29,7 +32,8 @@ failures errors instead of warnings.
 writes them in that form; the master stays fp32.
 
 This module and :mod:`.cpu_adam_kernels` import nothing else from zeroplug but that state
-format, so that the files can be used on their own.
+format (and :mod:`.cpu_adam_native`, which finds zeroplug's cache directory), so that the
+files can be used on their own.
 """
 
 from __future__ import annotations
@@ -42,13 +46,14 @@ from typing import Callable, Iterable
 import torch
 
 from . import cpu_adam_kernels as kernels
+from .cpu_adam_native import LOADER as NATIVE
 from .cpu_adam_kernels import STATE_KINDS, compile_status, compiled_call, eager_small_states, eager_update, scalars
 from zeroplug.quantized_states import ABSMAX, BLOCK, dequantize, empty_state, is_codes, quantize
 
 __all__ = ["CPUAdam", "compile_status"]
 
 _IMPL_ENV = "ZEROPLUG_CPU_ADAM_IMPL"
-_IMPLS = ("auto", "compile", "eager")
+_IMPLS = ("auto", "compile", "eager", "native")
 # Below this many elements a sub-group takes the eager path (compiled-call overhead).
 _MIN_COMPILE_NUMEL = 1 << 16
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,6 +113,8 @@ class CPUAdam(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         # the compiled kernel's OpenMP threads when a call names none (None: torch's count)
         self.threads = int(threads) if threads else None
+        if self._native_states():
+            NATIVE.start()      # built beside the rest of initialize, not in the first step
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
             adamw_mode=adamw_mode, bias_correction=bias_correction, amsgrad=False,
@@ -209,8 +216,23 @@ class CPUAdam(torch.optim.Optimizer):
                 dt = torch.bfloat16 if self.state_dtype == "bf16" else torch.float32
                 state[key] = cur.to(dt, memory_format=torch.contiguous_format)
 
+    def _native_states(self) -> bool:
+        """Whether steps take the native kernel (8-bit moments; unless it is unavailable)."""
+        return self.state_dtype == "int8" and self.impl in ("auto", "native") and not NATIVE.disabled()
+
+    def _native(self, grad_dtype, lp_dtype):
+        """The native kernel for a step with these dtypes, or None (compiled / eager)."""
+        if not self._native_states():
+            return None
+        nat = NATIVE.get(strict=self.impl == "native")
+        if nat is not None and not nat.supports(grad_dtype, lp_dtype):
+            if self.impl == "native":
+                raise RuntimeError("cpu_adam: the native kernel was built without fp16 support")
+            return None
+        return nat
+
     def _wants_compiled(self, grad_dtype, lp_out, grad_scale, numel) -> bool:
-        if self.impl == "eager" or numel < _MIN_COMPILE_NUMEL:
+        if self.impl in ("eager", "native") or numel < _MIN_COMPILE_NUMEL:
             return False
         if self.impl == "compile":
             return True
@@ -223,10 +245,12 @@ class CPUAdam(torch.optim.Optimizer):
         self, grad_dtype=torch.float32, lp_dtype=None, numel=1 << 20, grad_scale=1.0,
         adamw_mode: bool | None = None,
     ) -> str:
-        """Which path a call with these arguments takes: "compile" or "eager".
+        """Which path a call with these arguments takes: "native", "compile" or "eager".
 
         May compile (and probe) the kernel variant on first use.
         """
+        if numel and self._native(grad_dtype, lp_dtype) is not None:
+            return "native"
         lp = torch.empty(0, dtype=lp_dtype) if lp_dtype is not None else None
         if not self._wants_compiled(grad_dtype, lp, grad_scale, numel):
             return "eager"
@@ -244,8 +268,8 @@ class CPUAdam(torch.optim.Optimizer):
     def kernel_variants(self, grad_dtypes, lp_dtype) -> list[tuple]:
         """The compiled variants (adamw, grad dtype, lp dtype) that steps with these dtypes
         use: the keys :meth:`warm_up` takes (none when every such step is eager)."""
-        if self.impl == "eager":
-            return []
+        if self.impl == "eager" or self._native_states():
+            return []           # (the native kernel builds on its own thread)
         largest = max((p.numel() for g in self.param_groups for p in g["params"]), default=0)
         if largest < _MIN_COMPILE_NUMEL and self.impl != "compile":
             return []           # every call takes the eager path (compiled-call overhead)
@@ -343,7 +367,10 @@ class CPUAdam(torch.optim.Optimizer):
         n = p.numel()
         fn = None
         threads = threads or self.threads
-        if self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
+        native = self._native(grad.dtype, lp_out.dtype if lp_out is not None else None) if n else None
+        if native is not None:
+            pass
+        elif self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
             key = self._key(group["adamw_mode"], grad.dtype, lp_out.dtype if lp_out is not None else None)
             fn = kernels.COMPILED.get(key, strict=self.impl == "compile", threads=threads)
         state = self._init_state(p)
@@ -373,7 +400,7 @@ class CPUAdam(torch.optim.Optimizer):
         if pieces is not None and self.state_dtype == "int8":
             # Note: the codes' blocks run across the pieces' borders, so the step is one call
             # over the whole sub-group and the pieces are copied from the updated master.
-            self._kernel(fn, pf, gf, st, None, step_t, hp, bias_correction, grad_scale)
+            self._kernel(fn, pf, gf, st, None, step_t, hp, bias_correction, grad_scale, native, threads)
             s0 = 0
             for t in pieces:
                 t.view(-1).copy_(pf[s0:s0 + t.numel()])
@@ -389,7 +416,7 @@ class CPUAdam(torch.optim.Optimizer):
                 s0 = e
         else:
             lpf, lpc = _flat(lp_out) if lp_out is not None else (None, True)
-            self._kernel(fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale)
+            self._kernel(fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale, native, threads)
         # Non-contiguous tensors were stepped through contiguous copies: write back.
         if not pc:
             p.detach().copy_(pf.view_as(p))
@@ -400,11 +427,24 @@ class CPUAdam(torch.optim.Optimizer):
         if not lpc:
             lp_out.copy_(lpf.view_as(lp_out))
 
-    def _kernel(self, fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale) -> None:
+    def _kernel(self, fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale, native=None,
+                threads=None) -> None:
         """The update of flat contiguous views (``st``: the moments, as ``compiled_call``
-        takes them): compiled ``fn`` or, failing that, eager. For block-quantised moments the
-        compiled kernel steps the whole blocks and the eager path the last, shorter one."""
+        takes them): the ``native`` kernel (8-bit moments, every element), compiled ``fn``
+        or, failing either, eager. For block-quantised moments the compiled kernel steps the
+        whole blocks and the eager path the last, shorter one."""
         done = 0
+        if native is not None:
+            sc = scalars(hp, float(step_t.item()), bias_correction, grad_scale)
+            try:
+                native.step(pf, gf, st, lpf, sc, hp["adamw"], threads or torch.get_num_threads())
+                return
+            except Exception as e:  # checked before the call: nothing was written
+                if self.impl == "native":
+                    raise
+                NATIVE.failed(e)
+                warnings.warn(f"cpu_adam: native kernel failed ({e!r:.300}); using eager",
+                              RuntimeWarning, stacklevel=3)
         if fn is not None:
             sc = scalars(hp, float(step_t.item()), bias_correction, grad_scale)
             try:

@@ -3,11 +3,14 @@ Mparams/s of the one-pass update the cpu tier calls (bf16 gradient in, grad_scal
 out) on one flat sub-group, each form timed interleaved with the others.
 
     python3 tests/benchmarks/state_dtype_step.py [--n 100000000] [--repeats 5] [--impl auto]
+        [--int8-impls native,compile]
 
 Bytes per element moved: fp32 states 28 (read p, bf16 g, m, v; write p, m, v, bf16 lp),
 bf16 states 20, int8 states 14 + the absmax (the compiled int8 kernel reads the codes and the
 gradient twice: 17). Prints one row per form: Mparams/s, the time per step and the ratio
-to fp32 states. The first call of each form compiles its kernel (excluded).
+to fp32 states; int8 once per implementation of --int8-impls (native: the fused C kernel
+that ``auto`` takes; compile: the torch.compile'd two-pass kernel; eager), side by side in
+one run. The first call of each form builds its kernel (excluded).
 """
 from __future__ import annotations
 
@@ -25,15 +28,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=100_000_000, help="elements of the sub-group (default 1e8)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--impl", default="auto", choices=["auto", "compile", "eager"])
+    ap.add_argument("--impl", default="auto", choices=["auto", "compile", "eager"],
+                    help="the fp32 and bf16 states' implementation")
+    ap.add_argument("--int8-impls", default="native,compile",
+                    help="comma-separated int8 implementations to time (native, compile, eager, auto)")
     a = ap.parse_args()
     n = a.n
     g = torch.randn(n).bfloat16()
     lp = torch.empty(n, dtype=torch.bfloat16)
     runs = {}
-    for form in ("fp32", "bf16", "int8"):
+    forms = [("fp32", "fp32", a.impl), ("bf16", "bf16", a.impl)]
+    forms += [(f"int8 ({impl})", "int8", impl) for impl in a.int8_impls.split(",") if impl]
+    for form, state_dtype, impl in forms:
         p = torch.randn(n)
-        opt = CPUAdam([p], lr=1e-4, weight_decay=0.1, impl=a.impl, state_dtype=form)
+        opt = CPUAdam([p], lr=1e-4, weight_decay=0.1, impl=impl, state_dtype=state_dtype)
         opt.init_group_states(0)
         opt.step_param(p, grad=g, lp_out=lp, grad_multiplier=0.5)       # compiles / loads the kernel
         runs[form] = (opt, p)
@@ -50,7 +58,7 @@ def main() -> int:
     base = statistics.median(times["fp32"])
     for form, ts in times.items():
         med = statistics.median(ts)
-        state = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256}[form]
+        state = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256}[form.split()[0]]
         print(f"| {form} | {n / med / 1e6:,.0f} | {1e3 * med:.1f} | {base / med:.2f}x | {state:.2f} |")
     print("compiled variants:", compile_status())
     return 0

@@ -1,0 +1,251 @@
+"""cpu_adam's own fused C kernel for block-quantised 8-bit moments (``state_dtype = "int8"``).
+
+The format is :mod:`zeroplug.quantized_states` (bitsandbytes' block-wise dynamic-tree code).
+The step is ours: ``cpu_adam_native.c`` decodes a block of 256 elements of m and v, applies
+the Adam(W) update in fp32 (the math and operation order of
+:func:`.cpu_adam_kernels.scalars` / ``_adam_math``), takes the block's new absmax, encodes
+it and writes p, the codes, the absmax and the optional bf16/fp16/fp32 copy of p, all while
+the block is in L1: one pass, each byte read or written once, no fp32 copy of a state.
+Its codes equal :func:`zeroplug.quantized_states.quantize_` 's (``torch.bucketize`` over the
+table's midpoints) bit for bit, through a bucket table keyed by the top 16 bits of the
+scaled value (:func:`encode_tables`): one table load and a compare per element.
+
+Note: the torch.compile'd kernel (cpu_adam_kernels) cannot do this at memory speed:
+inductor does not vectorise its table loads, and it needs two passes (the absmax, then the
+update) to keep no whole-tensor buffer.
+
+Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native
+-fopenmp``, no torch headers) into ``<zeroplug's cache>/native/`` (the per torch version and
+CPU directory of :func:`.cpu_adam_warmup.cache_root`, created 0700; a directory that another
+user could write is not used: a private temporary one is), written to a temporary file and
+renamed, keyed by a hash of the source, the compiler's version and the flags, so that a
+machine builds it once. Loaded with ctypes, which releases the GIL during the call (the
+overlapped step runs it on a worker thread). The OpenMP thread count is given per call.
+Where it cannot be built or loaded, cpu_adam warns once and takes the compiled or eager
+path; ``ZEROPLUG_CPU_ADAM_IMPL=compile`` (or ``eager``) never uses it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from zeroplug.quantized_states import BLOCK, midpoints, qmap
+
+log = logging.getLogger("zeroplug")
+
+SOURCE = Path(__file__).with_name("cpu_adam_native.c")
+SUBDIR = "native"
+ABI = 2
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# The encode buckets: magnitudes below 2**-24 (under every nonzero midpoint) share the lowest
+# bucket, those from 1.0 up (and NaN) the highest.
+LO_KEY = (127 - 24) << 7
+HI_KEY = 127 << 7
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, None: 3}
+_c_p = ctypes.c_void_p
+
+
+def _key_of(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32).bitwise_right_shift(16).bitwise_and(0x7FFF)
+
+
+def encode_tables(signed: bool) -> torch.Tensor:
+    """The 2 * nkeys encode buckets (int32 holding uint32): bucket i (x >= 0) or nkeys + i
+    (x < 0) holds the x whose magnitude's top 16 bits are LO_KEY + i (clamped). Its entry is
+    base << 17 | has << 16 | low: base = the midpoints below the bucket, has = whether one
+    lies inside it, low = that midpoint's low 16 bits (its top 16 are the bucket's). Raises
+    if a bucket holds two midpoints (the encode would be wrong)."""
+    keys = torch.arange(LO_KEY, HI_KEY + 1, dtype=torch.int32)
+    lo = (keys << 16).view(torch.float32).double()
+    hi = ((keys << 16) | 0xFFFF).view(torch.float32).double()
+    lo[0], hi[-1] = 0.0, float("inf")
+    mids32 = midpoints(signed)
+    mids = mids32.double()
+    out = []
+    for sign, (a, b) in ((0, (lo, hi)), (1, (-hi, -lo))):
+        below = (mids[None, :] < a[:, None]).sum(1).to(torch.int64)
+        inside = (mids[None, :] >= a[:, None]) & (mids[None, :] <= b[:, None])
+        count = inside.sum(1)
+        if int(count.max()) > 1:
+            raise RuntimeError("a bucket of the 8-bit encode holds two midpoints")
+        bits = mids32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        mbits = (inside.to(torch.int64) * bits[None, :]).sum(1)
+        has = count > 0
+        top = (keys.to(torch.int64) | (sign << 15))
+        if bool(((mbits >> 16) != top)[has].any()):
+            raise RuntimeError("an 8-bit encode bucket's midpoint lies outside it")
+        out.append((below << 17) | (has.to(torch.int64) << 16) | (mbits & 0xFFFF))
+    entries = torch.cat(out)
+    assert int(entries.max()) < 1 << 31
+    return entries.to(torch.int32).contiguous()
+
+
+class Native:
+    """The loaded library and the tables its calls pass."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        if lib.zp_abi_version() != ABI:
+            raise RuntimeError(f"{path}: ABI version {lib.zp_abi_version()}, expected {ABI}")
+        lib.zp_adam_q8.restype = ctypes.c_int
+        lib.zp_adam_q8.argtypes = ([ctypes.c_int64, _c_p, _c_p, ctypes.c_int, _c_p, _c_p, _c_p, _c_p, _c_p,
+                                    ctypes.c_int, _c_p, ctypes.c_int, ctypes.c_int] + [_c_p] * 4
+                                   + [ctypes.c_int32, ctypes.c_int32])
+        lib.zp_q8_encode.restype = ctypes.c_int
+        lib.zp_q8_encode.argtypes = ([ctypes.c_int64, _c_p, _c_p, _c_p, ctypes.c_int, _c_p, _c_p,
+                                      ctypes.c_int32, ctypes.c_int32])
+        self.lib, self.path = lib, path
+        self.has_f16 = bool(lib.zp_has_f16())
+        self.tables = {s: (qmap(s).contiguous(), encode_tables(s)) for s in (True, False)}
+        self.nkeys = HI_KEY - LO_KEY + 1
+
+    def supports(self, grad_dtype, lp_dtype) -> bool:
+        return self.has_f16 or torch.float16 not in (grad_dtype, lp_dtype)
+
+    def step(self, p, g, st, lp, sc: torch.Tensor, adamw: bool, threads: int) -> None:
+        """The update of flat contiguous ``p`` (fp32), ``g``, ``st`` = (m int8 codes, m absmax,
+        v uint8 codes, v absmax) and ``lp`` (or None), with the scalars ``sc``
+        (:func:`.cpu_adam_kernels.scalars`), on ``threads`` OpenMP threads."""
+        mc, ma, vc, va = st
+        n = p.numel()
+        if not (g.numel() == mc.numel() == vc.numel() == n and ma.numel() >= (n + BLOCK - 1) // BLOCK
+                and va.numel() >= (n + BLOCK - 1) // BLOCK and (lp is None or lp.numel() == n)):
+            raise ValueError("cpu_adam native kernel: tensor sizes disagree")
+        for t in (p, g, mc, ma, vc, va, lp, sc):
+            if t is not None and not t.is_contiguous():
+                raise ValueError("cpu_adam native kernel: tensors must be contiguous")
+        if mc.dtype != torch.int8 or vc.dtype != torch.uint8 or p.dtype != torch.float32 or sc.dtype != torch.float32:
+            raise TypeError("cpu_adam native kernel: fp32 p and sc, int8 / uint8 codes")
+        ts, es = self.tables[True]
+        tu, eu = self.tables[False]
+        lpdt = lp.dtype if lp is not None else None
+        rc = self.lib.zp_adam_q8(n, p.data_ptr(), g.data_ptr(), _DT[g.dtype], mc.data_ptr(), ma.data_ptr(),
+                                 vc.data_ptr(), va.data_ptr(), lp.data_ptr() if lp is not None else None,
+                                 _DT[lpdt], sc.data_ptr(), int(bool(adamw)), max(1, int(threads)),
+                                 ts.data_ptr(), es.data_ptr(), tu.data_ptr(), eu.data_ptr(), LO_KEY, self.nkeys)
+        if rc != 0:
+            raise RuntimeError(f"cpu_adam native kernel: unsupported dtypes (grad {g.dtype}, lp {lpdt})")
+
+    def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+        """:func:`zeroplug.quantized_states.quantize_` by this kernel's encoder (for tests)."""
+        sgn = codes.dtype == torch.int8
+        t, e = self.tables[sgn]
+        assert x.is_contiguous() and codes.is_contiguous() and x.dtype == torch.float32
+        self.lib.zp_q8_encode(x.numel(), x.data_ptr(), codes.data_ptr(), absmax.data_ptr(), int(sgn),
+                              t.data_ptr(), e.data_ptr(), LO_KEY, self.nkeys)
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or (shutil.which("gcc") if cc == "cc" else None)
+
+
+def _library_name(cc: str, source: bytes) -> str:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = b""
+    h = hashlib.sha256(source + b"\0" + version + b"\0" + " ".join(FLAGS).encode() + cc.encode()).hexdigest()
+    return f"cpu_adam_q8-{h[:20]}.so"
+
+
+def _directory() -> tuple[str, str | None]:
+    """(the directory to build in, a warning or None): zeroplug's cache where it is private,
+    else a private temporary directory."""
+    from zeroplug.trust import code_dir_problem, make_dirs
+    from .cpu_adam_warmup import cache_root
+    why = None
+    try:
+        d = os.path.join(cache_root(), SUBDIR)
+        make_dirs(d, 0o700)
+        why = code_dir_problem(d, tree=False)
+        if why is None:
+            return os.path.realpath(d), None
+    except OSError as e:
+        why = f"{type(e).__name__}: {e}"
+    return tempfile.mkdtemp(prefix="zeroplug-native-"), f"zeroplug's cache directory is not used ({why})"
+
+
+def build() -> str:
+    """Build (or find, built before) the shared library; its path. Raises on failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler found (looked for {os.environ.get('CC') or 'cc'}; set CC)")
+    source = SOURCE.read_bytes()
+    d, why = _directory()
+    if why:
+        log.warning("[zeroplug] cpu_adam native kernel: %s; building in %s", why, d)
+    path = os.path.join(d, _library_name(cc, source))
+    if os.path.isfile(path) and os.stat(path).st_uid == os.getuid():
+        return path
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_adam_q8-", suffix=".so", dir=d)
+    os.close(fd)
+    try:
+        # the source is compiled from its text, so an installed package needs no writable folder
+        r = subprocess.run([cc, *FLAGS, "-x", "c", "-", "-o", tmp], input=source, capture_output=True,
+                           timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({r.returncode}): {r.stderr.decode(errors='replace')[-1500:]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class Loader:
+    """The process's library: built once (on a background thread started early, or by the
+    first step), or the reason it is not available (said once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.native: Native | None = None
+        self.error: str | None = None
+        self.warned = False
+
+    def disabled(self) -> bool:
+        return self.error is not None
+
+    def get(self, strict: bool = False) -> Native | None:
+        if self.native is None and self.error is None:
+            with self.lock:
+                if self.native is None and self.error is None:
+                    try:
+                        self.native = Native(build())
+                        log.info("[zeroplug] cpu_adam: native 8-bit state kernel %s", self.native.path)
+                    except Exception as e:      # no compiler, build error, bad library: say why once
+                        self.error = f"{type(e).__name__}: {e}"[:2000]
+        if self.native is None:
+            if strict:
+                raise RuntimeError(f"cpu_adam: native kernel unavailable ({self.error})")
+            if not self.warned:
+                self.warned = True
+                log.warning("[zeroplug] cpu_adam: native 8-bit state kernel unavailable (%s); using the "
+                            "compiled or eager path", self.error)
+                warnings.warn(f"cpu_adam: native 8-bit state kernel unavailable ({self.error[:300]}); using "
+                              "the compiled or eager path", RuntimeWarning, stacklevel=3)
+        return self.native
+
+    def failed(self, exc: BaseException) -> None:
+        """A call failed: later steps take the other paths."""
+        self.error = f"{type(exc).__name__}: {exc}"[:2000]
+        self.native = None
+
+    def start(self) -> None:
+        """Build on a background thread now, so that the first step finds it ready."""
+        if self.native is None and self.error is None and not self.lock.locked():
+            threading.Thread(target=self.get, name="zeroplug-native-build", daemon=True).start()
+
+
+LOADER = Loader()

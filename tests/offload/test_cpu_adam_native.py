@@ -1,0 +1,217 @@
+"""cpu_adam's native (C) kernel for block-quantised 8-bit moments (optimizer.state_dtype =
+"int8"): its encoder against quantize_ bit for bit, its step against the same update written
+with torch ops (decode, Adam's fp32 math in cpu_adam_kernels' order, quantize_: equal bit for
+bit, every element), against the compiled and eager paths, its build cache and its fallback."""
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+
+import pytest
+import torch
+
+from zeroplug.plugins.optim import cpu_adam_native
+from zeroplug.plugins.optim.cpu_adam import CPUAdam
+from zeroplug.plugins.optim.cpu_adam_kernels import scalars
+from zeroplug.quantized_states import BLOCK, dequantize, midpoints, quantize, quantize_
+
+B = BLOCK
+HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def nat():
+    return cpu_adam_native.LOADER.get(strict=True)
+
+
+def _blocks_with_absmax_one(vals: torch.Tensor) -> torch.Tensor:
+    """``vals`` in blocks of 255 plus a 1.0 each: the encoder sees them unscaled."""
+    k = (vals.numel() + B - 2) // (B - 1)
+    vals = torch.cat([vals, torch.zeros(k * (B - 1) - vals.numel())]).view(k, B - 1)
+    return torch.cat([vals, torch.ones(k, 1)], 1).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_encoder_equals_quantize(nat, dtype):
+    """The codes and absmax of quantize_ (torch.bucketize over the midpoints), bit for bit: on
+    every midpoint and its two fp32 neighbours, 0, -0, tiny values, 1, random values, all-zero
+    blocks and a partial last block."""
+    signed = dtype == torch.int8
+    mids = midpoints(signed)
+    inf = torch.tensor(float("inf"))
+    edge = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf),
+                      torch.tensor([0.0, -0.0, 1e-30, 2.0 ** -24, 2.0 ** -23, 2.0 ** -22, 1.0])])
+    if not signed:
+        edge = edge.abs()
+    gen = torch.Generator().manual_seed(0)
+    edge = _blocks_with_absmax_one(edge[torch.randperm(edge.numel(), generator=gen)])
+    rnd = torch.randn(50 * B + 77, generator=gen) * torch.rand(50 * B + 77, generator=gen) ** 8
+    rnd[3 * B:5 * B] = 0.0                      # all-zero blocks
+    for x in (edge, rnd if signed else rnd.abs(), torch.zeros(B + 3), torch.tensor([0.5])):
+        want_c, want_a = torch.empty(x.numel(), dtype=dtype), torch.empty((x.numel() + B - 1) // B)
+        quantize_(x.clone(), want_c, want_a)
+        got_c, got_a = torch.empty_like(want_c), torch.empty_like(want_a)
+        nat.encode(x.clone(), got_c, got_a)
+        assert torch.equal(got_a, want_a)
+        assert torch.equal(got_c, want_c), (got_c != want_c).sum()
+
+
+def torch_step(p, g, st, lp, sc, adamw):
+    """The same update with torch ops: decode, cpu_adam_kernels' fp32 math (the scalars'
+    layout and operation order), quantize_. Returns (p, m codes, m absmax, v codes, v absmax,
+    lp)."""
+    mc, ma, vc, va = st
+    m, v = dequantize(mc, ma), dequantize(vc, va)
+    gf = g.float() * sc[0]
+    if adamw:
+        pd = p * sc[1]
+    else:
+        pd = p
+        gf = gf + p * sc[1]
+    m = m * sc[2] + sc[3] * gf
+    v = v * sc[4] + (sc[5] * gf) * gf
+    # Note: the IEEE square root (correctly rounded: fp64's, rounded), as C's sqrtf; torch's
+    # vectorised fp32 sqrt may differ in the last bit
+    p = pd + (sc[8] * m) / (v.double().sqrt().float() * sc[6] + sc[7])
+    out = [p]
+    for x, dt in ((m, torch.int8), (v, torch.uint8)):
+        codes, absmax = torch.empty(x.numel(), dtype=dt), torch.empty((x.numel() + B - 1) // B)
+        quantize_(x, codes, absmax)
+        out += [codes, absmax]
+    return out + [p.to(lp.dtype) if lp is not None else None]
+
+
+def _case(n, gdt, seed=0, zero_blocks=True):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    g = (torch.randn(n, generator=gen) * 3).to(gdt)
+    m = torch.randn(n, generator=gen) * 0.1
+    v = torch.rand(n, generator=gen) * 0.01
+    if zero_blocks and n > 3 * B:
+        g[B:3 * B] = 0
+        m[B:3 * B] = 0
+        v[B:3 * B] = 0
+    return p, g, [*quantize(m, torch.int8), *quantize(v, torch.uint8)]
+
+
+@pytest.mark.parametrize("n", [1, B - 1, B, 7 * B + 131, 40 * B])
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16, torch.float16])
+def test_step_equals_torch_ops(nat, n, adamw, gdt):
+    """p, codes, absmax and the copy equal the torch-op step bit for bit: Adam and AdamW,
+    each gradient dtype, grad_scale != 1, every copy dtype and none, a partial last block,
+    all-zero blocks, several thread counts."""
+    if not nat.supports(gdt, None):
+        pytest.skip("compiler without _Float16")
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
+    for lpdt, grad_scale, threads in ((None, 1.0, 1), (torch.bfloat16, 0.5, 2), (torch.float16, 0.25, 3),
+                                      (torch.float32, 2.0, 2)):
+        p, g, st = _case(n, gdt)
+        sc = scalars(hp, 3.0, True, grad_scale)
+        want = torch_step(p.clone(), g, [t.clone() for t in st], torch.empty(n, dtype=lpdt) if lpdt else None,
+                          sc, adamw)
+        lp = torch.full((n,), 7.0, dtype=lpdt) if lpdt else None
+        nat.step(p, g, st, lp, sc, adamw, threads)
+        for got, exp, what in zip([p, *st, lp], want, ("p", "m codes", "m absmax", "v codes", "v absmax", "lp")):
+            if exp is None:
+                continue
+            assert torch.equal(got, exp), (what, lpdt, threads, (got != exp).sum())
+
+
+def test_thread_counts_agree(nat):
+    n = 100 * B + 5
+    outs = []
+    for threads in (1, 2, 5):
+        p, g, st = _case(n, torch.bfloat16, seed=3)
+        lp = torch.empty(n, dtype=torch.bfloat16)
+        nat.step(p, g, st, lp, scalars(dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+                                             adamw=True), 1.0, True, 1.0), True, threads)
+        outs.append([p, *st, lp])
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def _opt_state(opt, p):
+    st = opt.state[p]
+    return [st["exp_avg"], st["exp_avg_absmax"], st["exp_avg_sq"], st["exp_avg_sq_absmax"]]
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("old", ["eager", "compile"])
+def test_native_against_the_old_paths(adamw_mode, old):
+    """CPUAdam with impl="auto" (native) and with the eager / compiled kernels, from the same
+    state, several steps of the offload tier's call (bf16 gradient, grad_scale, bf16 copy):
+    the same master to fp32 rounding, codes equal but for rare rounding-boundary flips."""
+    n = (1 << 16) + 3 * B + 17
+    torch.manual_seed(0)
+    p0 = torch.randn(n)
+    ps = {impl: p0.clone() for impl in ("auto", old)}
+    opts = {impl: CPUAdam([ps[impl]], impl=impl, state_dtype="int8", adamw_mode=adamw_mode, **HP) for impl in ps}
+    assert opts["auto"].implementation(torch.bfloat16, torch.bfloat16, n, 0.5) == "native"
+    for step in range(3):
+        g = torch.randn(n).bfloat16()
+        lps = {}
+        for impl, opt in opts.items():
+            lps[impl] = torch.empty(n, dtype=torch.bfloat16)
+            opt.step_param(ps[impl], grad=g, lp_out=lps[impl], grad_multiplier=0.5)
+        torch.testing.assert_close(ps["auto"], ps[old], rtol=1e-5, atol=1e-6)
+        assert (lps["auto"] != lps[old]).float().mean() < 1e-3
+        for a, b in zip(_opt_state(opts["auto"], ps["auto"]), _opt_state(opts[old], ps[old])):
+            if a.dtype == torch.float32:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+            else:
+                assert (a != b).float().mean() < 1e-3
+                assert (a.int() - b.int()).abs().max() <= 1
+        # the next step starts both from the same state (the paths' ulps must not accumulate)
+        for a, b in zip(_opt_state(opts[old], ps[old]), _opt_state(opts["auto"], ps["auto"])):
+            a.copy_(b)
+        ps[old].copy_(ps["auto"])
+
+
+def test_impl_env_forces_the_old_path(monkeypatch):
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "eager")
+    opt = CPUAdam([torch.zeros(1 << 17)], state_dtype="int8")
+    assert opt.implementation(torch.bfloat16, torch.bfloat16, 1 << 17, 0.5) == "eager"
+    assert CPUAdam([torch.zeros(8)], impl="auto", state_dtype="int8").implementation(numel=8) == "native"
+    assert CPUAdam([torch.zeros(8)], impl="auto", state_dtype="bf16").implementation(numel=8) == "eager"
+
+
+def test_build_is_cached_privately(tmp_path, monkeypatch):
+    """The library lands in zeroplug's cache directory (0700 folder, a file of this user),
+    renamed into place; a second build finds it instead of compiling again."""
+    monkeypatch.setenv("ZEROPLUG_CACHE_DIR", str(tmp_path / "cache"))
+    path = cpu_adam_native.build()
+    assert path.startswith(os.path.realpath(tmp_path / "cache"))
+    d = os.path.dirname(path)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert os.stat(path).st_uid == os.getuid()
+    assert [f for f in os.listdir(d) if f.startswith(".")] == []       # no temporary file left
+    mtime = os.stat(path).st_mtime_ns
+    assert cpu_adam_native.build() == path and os.stat(path).st_mtime_ns == mtime
+    assert cpu_adam_native.Native(path).supports(torch.bfloat16, torch.bfloat16)
+
+
+def test_no_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
+    """Without a compiler: one warning, then the compiled / eager path (the step still works);
+    impl="native" makes it an error."""
+    monkeypatch.setenv("ZEROPLUG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    loader = cpu_adam_native.Loader()
+    monkeypatch.setattr(cpu_adam_native, "LOADER", loader)
+    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.NATIVE", loader)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        loader.get(strict=True)
+    loader = cpu_adam_native.Loader()
+    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.NATIVE", loader)
+    n = 3 * B + 5
+    p = torch.randn(n)
+    opt = CPUAdam([p], impl="auto", state_dtype="int8", **HP)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader.get()
+        loader.get()
+        opt.step_param(p, grad=torch.randn(n))
+    assert len([w for w in caught if "native" in str(w.message)]) == 1
+    assert opt.implementation(numel=n) == "eager"
+    assert torch.isfinite(p).all() and opt.state[p]["exp_avg_absmax"].max() > 0
