@@ -217,8 +217,8 @@ class CPUAdam(torch.optim.Optimizer):
                 state[key] = cur.to(dt, memory_format=torch.contiguous_format)
 
     def _native_states(self) -> bool:
-        """Whether steps take the native kernel (8-bit moments; unless it is unavailable)."""
-        return self.state_dtype == "int8" and self.impl in ("auto", "native") and not NATIVE.disabled()
+        """Whether steps take the native kernel (8-bit moments), where it is available."""
+        return self.state_dtype == "int8" and self.impl in ("auto", "native")
 
     def _native(self, grad_dtype, lp_dtype):
         """The native kernel for a step with these dtypes, or None (compiled / eager)."""
@@ -268,7 +268,7 @@ class CPUAdam(torch.optim.Optimizer):
     def kernel_variants(self, grad_dtypes, lp_dtype) -> list[tuple]:
         """The compiled variants (adamw, grad dtype, lp dtype) that steps with these dtypes
         use: the keys :meth:`warm_up` takes (none when every such step is eager)."""
-        if self.impl == "eager" or self._native_states():
+        if self.impl == "eager" or (self._native_states() and not NATIVE.disabled()):
             return []           # (the native kernel builds on its own thread)
         largest = max((p.numel() for g in self.param_groups for p in g["params"]), default=0)
         if largest < _MIN_COMPILE_NUMEL and self.impl != "compile":

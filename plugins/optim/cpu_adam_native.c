@@ -49,13 +49,15 @@ static inline uint16_t f2bf(float f) {
     return (f != f) ? (uint16_t)0x7fc0 : (uint16_t)r;
 }
 
-/* Table lookups: AVX-512 gathers, else scalar loads. Note: an AVX2 gather is slower than
- * scalar loads on some CPUs (AMD Zen 3), yet compilers tuned for them emit it; the empty asm
- * keeps the scalar loop scalar. */
+/* Table lookups: AVX-512 gathers, else scalar loads (-DZP_GATHER=0 takes scalar loads on
+ * AVX-512 too). Note: an AVX2 gather is slower than unrolled scalar loads on some CPUs (AMD
+ * Zen 3), yet compilers tuned for them emit it; the empty asm keeps the scalar loop scalar. */
+#ifndef ZP_GATHER
 #if defined(__AVX512F__)
 #define ZP_GATHER 1
 #else
 #define ZP_GATHER 0
+#endif
 #endif
 #define ZP_SCALAR(v) __asm__("" : "+r"(v))
 
@@ -64,6 +66,7 @@ static inline void lookup_i(const uint32_t *restrict t, const int32_t *restrict 
     for (int i = 0; i < BLOCK; i += 16)
         _mm512_storeu_si512((void *)(out + i), _mm512_i32gather_epi32(_mm512_loadu_si512((const void *)(idx + i)), t, 4));
 #else
+#pragma GCC unroll 8
     for (int i = 0; i < BLOCK; i++) {
         uint32_t v = t[idx[i]];
         ZP_SCALAR(v);
@@ -140,6 +143,7 @@ static inline void decode_block(const uint8_t *restrict codes, int len, int off,
         _mm512_storeu_ps(out + i, _mm512_i32gather_ps(_mm512_loadu_si512((const void *)(idx + i)), table, 4));
 #else
     const float *t = table + off;       /* indexed by the code itself */
+#pragma GCC unroll 8
     for (int i = 0; i < len; i++) {
         float v = off ? t[(int8_t)codes[i]] : t[codes[i]];
         ZP_SCALAR(v);

@@ -30,6 +30,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -39,14 +40,19 @@ from pathlib import Path
 
 import torch
 
-from zeroplug.quantized_states import BLOCK, midpoints, qmap
+from zeroplug.quantized_states import BLOCK, dequantize, midpoints, qmap, quantize, quantize_
 
 log = logging.getLogger("zeroplug")
 
 SOURCE = Path(__file__).with_name("cpu_adam_native.c")
 SUBDIR = "native"
 ABI = 2
+# Note: -ffp-contract=off keeps each operation rounded on its own (no fused multiply-add), as
+# torch's fp32 ops round; -fno-math-errno lets sqrtf vectorise (the kernel reads no errno).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# Note: compilers tuned for AVX-512 CPUs default to 256-bit vectors for plain loops; this
+# kernel is compute-heavy per byte (table lookups, sqrt, division), so it takes the full width.
+X86_FLAGS = ("-mprefer-vector-width=512",)
 # The encode buckets: magnitudes below 2**-24 (under every nonzero midpoint) share the lowest
 # bucket, those from 1.0 up (and NaN) the highest.
 LO_KEY = (127 - 24) << 7
@@ -88,6 +94,58 @@ def encode_tables(signed: bool) -> torch.Tensor:
     entries = torch.cat(out)
     assert int(entries.max()) < 1 << 31
     return entries.to(torch.int32).contiguous()
+
+
+def flags() -> tuple[str, ...]:
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return FLAGS + (X86_FLAGS if x86 else ())
+
+
+def self_check(native: "Native") -> None:
+    """Step a small state (odd size, all-zero blocks, bf16 gradient times 0.5, bf16 copy;
+    Adam and AdamW; 1 and 3 threads) with ``native`` and with torch ops; raise where they
+    disagree beyond rounding (a kernel miscompiled for this CPU is never used).
+
+    Note: the reference takes the IEEE square root (fp64's, rounded), as C's sqrtf; torch's
+    vectorised fp32 sqrt may differ in the last bit."""
+    from .cpu_adam_kernels import scalars
+    n = 5 * BLOCK + 37
+    gen = torch.Generator().manual_seed(0)
+    for adamw, gdt, lpdt, threads in ((True, torch.bfloat16, torch.bfloat16, 3), (False, torch.float32, None, 1)):
+        p = torch.randn(n, generator=gen)
+        g = torch.randn(n, generator=gen).to(gdt)
+        m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+        g[BLOCK:2 * BLOCK] = 0
+        m[BLOCK:2 * BLOCK] = 0
+        v[BLOCK:2 * BLOCK] = 0
+        st = [*quantize(m, torch.int8), *quantize(v, torch.uint8)]
+        hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
+        sc = scalars(hp, 3.0, True, 0.5)
+        m, v = dequantize(st[0], st[1]), dequantize(st[2], st[3])
+        gf = g.float() * sc[0]
+        pd = p * sc[1] if adamw else p
+        if not adamw:
+            gf = gf + p * sc[1]
+        m = m * sc[2] + sc[3] * gf
+        v = v * sc[4] + (sc[5] * gf) * gf
+        want_p = pd + (sc[8] * m) / (v.double().sqrt().float() * sc[6] + sc[7])
+        want = [want_p]
+        for x, dt in ((m, torch.int8), (v, torch.uint8)):
+            codes, absmax = torch.empty(n, dtype=dt), torch.empty(st[1].numel())
+            quantize_(x, codes, absmax)
+            want += [codes, absmax]
+        lp = torch.empty(n, dtype=lpdt) if lpdt is not None else None
+        native.step(p, g, st, lp, sc, adamw, threads)
+        ok = torch.allclose(p, want_p, rtol=1e-5, atol=1e-6)
+        for got, exp in zip(st, want[1:]):
+            if got.dtype == torch.float32:
+                ok = ok and torch.allclose(got, exp, rtol=1e-5, atol=0)
+            else:
+                ok = ok and int((got.int() - exp.int()).abs().max()) <= 1 and float((got != exp).float().mean()) < 1e-3
+        if lp is not None:
+            ok = ok and torch.equal(lp, p.to(lpdt))
+        if not ok:
+            raise RuntimeError(f"the native kernel ({native.path}) disagrees with the torch-op step")
 
 
 class Native:
@@ -150,12 +208,12 @@ def _compiler() -> str | None:
     return shutil.which(cc) or (shutil.which("gcc") if cc == "cc" else None)
 
 
-def _library_name(cc: str, source: bytes) -> str:
+def _library_name(cc: str, source: bytes, extra: tuple[str, ...]) -> str:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = b""
-    h = hashlib.sha256(source + b"\0" + version + b"\0" + " ".join(FLAGS).encode() + cc.encode()).hexdigest()
+    h = hashlib.sha256(source + b"\0" + version + b"\0" + " ".join(flags() + extra).encode() + cc.encode()).hexdigest()
     return f"cpu_adam_q8-{h[:20]}.so"
 
 
@@ -176,8 +234,9 @@ def _directory() -> tuple[str, str | None]:
     return tempfile.mkdtemp(prefix="zeroplug-native-"), f"zeroplug's cache directory is not used ({why})"
 
 
-def build() -> str:
-    """Build (or find, built before) the shared library; its path. Raises on failure."""
+def build(extra: tuple[str, ...] = ()) -> str:
+    """Build (or find, built before) the shared library; its path. Raises on failure.
+    ``extra``: more compiler flags (``-DZP_GATHER=0``: scalar table loads, for benchmarks)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError(f"no C compiler found (looked for {os.environ.get('CC') or 'cc'}; set CC)")
@@ -185,14 +244,14 @@ def build() -> str:
     d, why = _directory()
     if why:
         log.warning("[zeroplug] cpu_adam native kernel: %s; building in %s", why, d)
-    path = os.path.join(d, _library_name(cc, source))
+    path = os.path.join(d, _library_name(cc, source, tuple(extra)))
     if os.path.isfile(path) and os.stat(path).st_uid == os.getuid():
         return path
     fd, tmp = tempfile.mkstemp(prefix=".cpu_adam_q8-", suffix=".so", dir=d)
     os.close(fd)
     try:
         # the source is compiled from its text, so an installed package needs no writable folder
-        r = subprocess.run([cc, *FLAGS, "-x", "c", "-", "-o", tmp], input=source, capture_output=True,
+        r = subprocess.run([cc, *flags(), *extra, "-x", "c", "-", "-o", tmp], input=source, capture_output=True,
                            timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed ({r.returncode}): {r.stderr.decode(errors='replace')[-1500:]}")
@@ -217,15 +276,21 @@ class Loader:
     def disabled(self) -> bool:
         return self.error is not None
 
-    def get(self, strict: bool = False) -> Native | None:
+    def load(self) -> None:
+        """Build and load the library (once; a failure is kept in ``error``, said by :meth:`get`)."""
         if self.native is None and self.error is None:
             with self.lock:
                 if self.native is None and self.error is None:
                     try:
-                        self.native = Native(build())
-                        log.info("[zeroplug] cpu_adam: native 8-bit state kernel %s", self.native.path)
-                    except Exception as e:      # no compiler, build error, bad library: say why once
+                        native = Native(build())
+                        self_check(native)
+                        self.native = native
+                        log.info("[zeroplug] cpu_adam: native 8-bit state kernel %s", native.path)
+                    except Exception as e:      # no compiler, build error, bad library: said once, by get
                         self.error = f"{type(e).__name__}: {e}"[:2000]
+
+    def get(self, strict: bool = False) -> Native | None:
+        self.load()
         if self.native is None:
             if strict:
                 raise RuntimeError(f"cpu_adam: native kernel unavailable ({self.error})")
@@ -245,7 +310,7 @@ class Loader:
     def start(self) -> None:
         """Build on a background thread now, so that the first step finds it ready."""
         if self.native is None and self.error is None and not self.lock.locked():
-            threading.Thread(target=self.get, name="zeroplug-native-build", daemon=True).start()
+            threading.Thread(target=self.load, name="zeroplug-native-build", daemon=True).start()
 
 
 LOADER = Loader()

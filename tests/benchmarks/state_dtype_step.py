@@ -9,19 +9,23 @@ Bytes per element moved: fp32 states 28 (read p, bf16 g, m, v; write p, m, v, bf
 bf16 states 20, int8 states 14 + the absmax (the compiled int8 kernel reads the codes and the
 gradient twice: 17). Prints one row per form: Mparams/s, the time per step and the ratio
 to fp32 states; int8 once per implementation of --int8-impls (native: the fused C kernel
-that ``auto`` takes; compile: the torch.compile'd two-pass kernel; eager), side by side in
-one run. The first call of each form builds its kernel (excluded).
+that ``auto`` takes; native-scalar: the same kernel built with scalar table loads instead of
+AVX-512 gathers, called directly; compile: the torch.compile'd two-pass kernel; eager), side
+by side in one run. The first call of each form builds its kernel (excluded).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
 
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
-from zeroplug.plugins.optim.cpu_adam_kernels import compile_status
+from zeroplug.plugins.optim import cpu_adam_native
+from zeroplug.plugins.optim.cpu_adam_kernels import compile_status, scalars
+from zeroplug.quantized_states import empty_state
 
 
 def main() -> int:
@@ -31,7 +35,7 @@ def main() -> int:
     ap.add_argument("--impl", default="auto", choices=["auto", "compile", "eager"],
                     help="the fp32 and bf16 states' implementation")
     ap.add_argument("--int8-impls", default="native,compile",
-                    help="comma-separated int8 implementations to time (native, compile, eager, auto)")
+                    help="comma-separated int8 implementations to time (native, native-scalar, compile, eager, auto)")
     a = ap.parse_args()
     n = a.n
     g = torch.randn(n).bfloat16()
@@ -41,15 +45,19 @@ def main() -> int:
     forms += [(f"int8 ({impl})", "int8", impl) for impl in a.int8_impls.split(",") if impl]
     for form, state_dtype, impl in forms:
         p = torch.randn(n)
+        if impl == "native-scalar":
+            runs[form] = _scalar_lookups(p, g, lp)
+            continue
         opt = CPUAdam([p], lr=1e-4, weight_decay=0.1, impl=impl, state_dtype=state_dtype)
         opt.init_group_states(0)
-        opt.step_param(p, grad=g, lp_out=lp, grad_multiplier=0.5)       # compiles / loads the kernel
-        runs[form] = (opt, p)
+        runs[form] = functools.partial(opt.step_param, p, grad=g, lp_out=lp, grad_multiplier=0.5)
+    for step in runs.values():
+        step()                              # builds / compiles / loads the kernel
     times = {form: [] for form in runs}
     for _ in range(a.repeats):
-        for form, (opt, p) in runs.items():
+        for form, step in runs.items():
             t = time.perf_counter()
-            opt.step_param(p, grad=g, lp_out=lp, grad_multiplier=0.5)
+            step()
             times[form].append(time.perf_counter() - t)
     print(f"cpu_adam offload update, {n:,} elements, {torch.get_num_threads()} threads, impl={a.impl}, "
           f"median of {a.repeats}")
@@ -62,6 +70,20 @@ def main() -> int:
         print(f"| {form} | {n / med / 1e6:,.0f} | {1e3 * med:.1f} | {base / med:.2f}x | {state:.2f} |")
     print("compiled variants:", compile_status())
     return 0
+
+
+def _scalar_lookups(p, g, lp):
+    """The native kernel built with scalar table loads, called as cpu_adam calls it."""
+    nat = cpu_adam_native.Native(cpu_adam_native.build(("-DZP_GATHER=0",)))
+    cpu_adam_native.self_check(nat)
+    st = [*empty_state(p.numel(), torch.int8), *empty_state(p.numel(), torch.uint8)]
+    hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=True)
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        nat.step(p, g, st, lp, scalars(hp, float(calls[0]), True, 0.5), True, torch.get_num_threads())
+    return step
 
 
 if __name__ == "__main__":

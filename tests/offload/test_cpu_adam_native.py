@@ -215,3 +215,17 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
     assert len([w for w in caught if "native" in str(w.message)]) == 1
     assert opt.implementation(numel=n) == "eager"
     assert torch.isfinite(p).all() and opt.state[p]["exp_avg_absmax"].max() > 0
+
+
+def test_self_check_rejects_a_wrong_kernel(nat, monkeypatch):
+    """A library whose step writes wrong codes (a kernel miscompiled for the CPU, say) fails
+    the check that runs before its first use."""
+    cpu_adam_native.self_check(nat)
+    step = nat.step
+
+    def wrong(p, g, st, lp, sc, adamw, threads):
+        step(p, g, st, lp, sc, adamw, threads)
+        st[2][::7] += 3
+    monkeypatch.setattr(nat, "step", wrong)
+    with pytest.raises(RuntimeError, match="disagrees"):
+        cpu_adam_native.self_check(nat)
