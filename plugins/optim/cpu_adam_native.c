@@ -36,7 +36,7 @@ typedef _Float16 f16_t;
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
 
-int zp_abi_version(void) { return 2; }
+int zp_abi_version(void) { return 3; }
 int zp_has_f16(void) { return ZP_HAS_F16; }
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -102,10 +102,11 @@ typedef struct {
     int32_t lo_key, nkeys;
 } qtab_t;
 
-/* x[0:len] (the new values; x[len:BLOCK] are finite) -> codes[0:len] (table index - off),
- * given the block's absmax ``am``. A bucket entry is base << 17 | has << 16 | the low 16
- * bits of its midpoint M: M shares the bucket's top 16 bits with x, so x > M compares the
- * low halves (reversed for x < 0). */
+/* x[0:len] (the new values; x[len:BLOCK] are defined) -> codes[0:len] (table index - off),
+ * given the block's absmax ``am``. A bucket entry is base << 16 | the low 16 bits of its
+ * midpoint M: M shares the bucket's top 16 bits with x, so x > M compares the low halves,
+ * reversed for x < 0 (a bucket without a midpoint holds 0xffff for x >= 0 and 0 for x < 0:
+ * never below x). */
 static inline void encode_block(const float *restrict x, int len, float am, const qtab_t *q,
                                 uint8_t *restrict codes, int off) {
     const float inv = am > 0.0f ? 1.0f / am : 0.0f;
@@ -118,13 +119,15 @@ static inline void encode_block(const float *restrict x, int len, float am, cons
         int32_t mag = (int32_t)((u >> 16) & 0x7fffu);
         mag = mag < lo ? lo : mag;
         mag = mag > hi ? hi : mag;
-        key[i] = (int32_t)(u >> 31) * nk + (mag - lo);
+        key[i] = ((int32_t)0 - (int32_t)(u >> 31)) & nk;
+        key[i] += mag - lo;
     }
     lookup_i(q->enc, key, e);
     for (int i = 0; i < len; i++) {
-        uint32_t lx = ub[i] & 0xffffu, lm = e[i] & 0xffffu;
-        uint32_t above = (ub[i] >> 31) ? (lx < lm) : (lx > lm);
-        codes[i] = (uint8_t)((e[i] >> 17) + (above & (e[i] >> 16)) - (uint32_t)off);
+        int32_t d = (int32_t)(ub[i] & 0xffffu) - (int32_t)(e[i] & 0xffffu);
+        int32_t neg = (int32_t)0 - (int32_t)(ub[i] >> 31);      /* 0 or -1 */
+        int32_t dd = (d ^ neg) - neg;                           /* d, or -d for x < 0 */
+        codes[i] = (uint8_t)((e[i] >> 16) + (uint32_t)(dd > 0) - (uint32_t)off);
     }
 }
 

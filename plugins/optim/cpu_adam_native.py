@@ -46,7 +46,7 @@ log = logging.getLogger("zeroplug")
 
 SOURCE = Path(__file__).with_name("cpu_adam_native.c")
 SUBDIR = "native"
-ABI = 2
+ABI = 3
 # Note: -ffp-contract=off keeps each operation rounded on its own (no fused multiply-add), as
 # torch's fp32 ops round; -fno-math-errno lets sqrtf vectorise (the kernel reads no errno).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
@@ -66,17 +66,19 @@ def _key_of(x: torch.Tensor) -> torch.Tensor:
 
 
 def encode_tables(signed: bool) -> torch.Tensor:
-    """The 2 * nkeys encode buckets (int32 holding uint32): bucket i (x >= 0) or nkeys + i
-    (x < 0) holds the x whose magnitude's top 16 bits are LO_KEY + i (clamped). Its entry is
-    base << 17 | has << 16 | low: base = the midpoints below the bucket, has = whether one
-    lies inside it, low = that midpoint's low 16 bits (its top 16 are the bucket's). Raises
-    if a bucket holds two midpoints (the encode would be wrong)."""
+    """The 2 * nkeys encode buckets (int32): bucket i (x >= 0) or nkeys + i (x < 0) holds the
+    x whose magnitude's top 16 bits are LO_KEY + i (clamped). Its entry is base << 16 | low:
+    base = the midpoints below the bucket, low = the low 16 bits of the one midpoint inside
+    it (its top 16 are the bucket's), or where none is, 0xffff (x >= 0) / 0 (x < 0), which no
+    x of the bucket passes. Raises if a bucket holds two midpoints (the encode would be
+    wrong)."""
     keys = torch.arange(LO_KEY, HI_KEY + 1, dtype=torch.int32)
     lo = (keys << 16).view(torch.float32).double()
     hi = ((keys << 16) | 0xFFFF).view(torch.float32).double()
     lo[0], hi[-1] = 0.0, float("inf")
     mids32 = midpoints(signed)
     mids = mids32.double()
+    bits = mids32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     out = []
     for sign, (a, b) in ((0, (lo, hi)), (1, (-hi, -lo))):
         below = (mids[None, :] < a[:, None]).sum(1).to(torch.int64)
@@ -84,13 +86,12 @@ def encode_tables(signed: bool) -> torch.Tensor:
         count = inside.sum(1)
         if int(count.max()) > 1:
             raise RuntimeError("a bucket of the 8-bit encode holds two midpoints")
-        bits = mids32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         mbits = (inside.to(torch.int64) * bits[None, :]).sum(1)
         has = count > 0
-        top = (keys.to(torch.int64) | (sign << 15))
-        if bool(((mbits >> 16) != top)[has].any()):
+        if bool(((mbits >> 16) != (keys.to(torch.int64) | (sign << 15)))[has].any()):
             raise RuntimeError("an 8-bit encode bucket's midpoint lies outside it")
-        out.append((below << 17) | (has.to(torch.int64) << 16) | (mbits & 0xFFFF))
+        low = torch.where(has, mbits & 0xFFFF, torch.full_like(mbits, 0 if sign else 0xFFFF))
+        out.append((below << 16) | low)
     entries = torch.cat(out)
     assert int(entries.max()) < 1 << 31
     return entries.to(torch.int32).contiguous()
