@@ -23,7 +23,9 @@ Measured and dropped: compiled calls per fixed-size chunk (``dynamic=False``), a
 ops / ``_foreach`` ops per L2-sized chunk, on intra-op threads or on a thread pool: slower
 than one kernel over the sub-group (fork/join and dispatch overhead per chunk).
 
-Moments in bf16 or block-quantised 8-bit (``state`` "bf16" / "int8", the last key element):
+Moments in bf16 or block-quantised 8-bit (``state`` "bf16" / "int8", the last key element;
+int8 steps take the fused C kernel of :mod:`.cpu_adam_native` unless it is unavailable or
+``impl`` is "compile" / "eager"):
 the compiled kernel loads them, steps in fp32 and stores them rounded, or decodes, steps and
 encodes again each block of 256 elements (:mod:`zeroplug.quantized_states`) in its one pass;
 the eager path walks the sub-group in chunks of whole blocks, widening each chunk's moments

@@ -6,8 +6,8 @@ out) on one flat sub-group, each form timed interleaved with the others.
         [--int8-impls native,compile]
 
 Bytes per element moved: fp32 states 28 (read p, bf16 g, m, v; write p, m, v, bf16 lp),
-bf16 states 20, int8 states 14 + the absmax (the compiled int8 kernel reads the codes and the
-gradient twice: 17). Prints one row per form: Mparams/s, the time per step and the ratio
+bf16 states 20, int8 states 16 + the absmax (the compiled int8 kernel reads the codes and the
+gradient twice: 20). Prints one row per form: Mparams/s, the time per step and the ratio
 to fp32 states; int8 once per implementation of --int8-impls (native: the fused C kernel
 that ``auto`` takes; native-scalar: the same kernel built with scalar table loads instead of
 AVX-512 gathers, called directly; compile: the torch.compile'd two-pass kernel; eager), side
