@@ -403,7 +403,10 @@ def search(args) -> dict:
                 best = k
                 break
         if best is not None and args.probe_up:
+            failed = {t["model"] for t in tried if "model" in t and t["outcome"] != "trains"}
             for k in range(best + 1, len(models)):
+                if models[k] in failed:     # tried on the way down: known not to train
+                    break
                 ok = attempt(k)
                 if not ok:
                     break

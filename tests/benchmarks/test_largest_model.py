@@ -45,6 +45,19 @@ def test_search_on_the_cpu(tmp_path, monkeypatch, capsys):
         assert "| deepspeed-bf16 | 10.00 | not installed |" in out
 
 
+def test_probing_up_skips_a_size_that_failed_on_the_way_down(tmp_path, monkeypatch):
+    """125M is predicted to fit but refused; char-tiny then trains, and the search ends there
+    instead of trying 125M a second time."""
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "eager")
+    monkeypatch.setenv("ZEROPLUG_HOST_MEMORY_LIMIT", "200MiB")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert lm.main(["--models", "125M,char-tiny", "--engines", "zeroplug-int8", "--seq", "32", "--micro", "2",
+                    "--steps", "2", "--host-gib", "64", "--budget-s", "300"]) == 0
+    tried = json.loads((tmp_path / "largest_model.json").read_text())["engines"]["zeroplug-int8"]["tried"]
+    assert [(t["model"], t["outcome"].split(" (")[0]) for t in tried] == [("125M", "host memory"),
+                                                                          ("char-tiny", "trains")]
+
+
 def test_several_ranks_and_nvme_arithmetic():
     """With several ranks the gradient shard is fp32 (4 bytes); with NVMe only the gradients
     stay in host memory and the rest goes to disk."""
