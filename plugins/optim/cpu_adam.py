@@ -15,10 +15,10 @@ parameter; done with separate torch ops that would be 4-5 passes over memory.
 Two implementations, picked per call (``impl="auto"``, the default): ``compile``, one
 ``torch.compile`` d kernel over the whole sub-group (for conversions / lp copies /
 multipliers, where it works), or ``eager``, ATen's fused single-pass kernel. Both, and how
-the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`. Block-quantised
-8-bit moments take a third, ``native``: our own fused C kernel (:mod:`.cpu_adam_native`),
-at every size; ``impl="native"`` makes its failures errors, ``impl="compile"`` (or
-``eager``) never uses it.
+the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`. Moments held
+as int8 or bf16 (``state_dtype``) take a third, ``native``: our own fused C kernel
+(:mod:`.cpu_adam_native`), at every size; ``impl="native"`` makes its failures errors,
+``impl="compile"`` (or ``eager``) never uses it.
 
 Tensors below ``_MIN_COMPILE_NUMEL`` always use ``eager`` (a compiled call costs ~30-40 us
 of guard and wrapper overhead).  Set ``ZEROPLUG_CPU_ADAM_IMPL=eager`` (or
@@ -217,8 +217,8 @@ class CPUAdam(torch.optim.Optimizer):
                 state[key] = cur.to(dt, memory_format=torch.contiguous_format)
 
     def _native_states(self) -> bool:
-        """Whether steps take the native kernel (8-bit moments), where it is available."""
-        return self.state_dtype == "int8" and self.impl in ("auto", "native")
+        """Whether steps take the native kernel (int8 or bf16 moments), where it is available."""
+        return self.state_dtype in ("int8", "bf16") and self.impl in ("auto", "native")
 
     def _native(self, grad_dtype, lp_dtype):
         """The native kernel for a step with these dtypes, or None (compiled / eager)."""
@@ -412,7 +412,7 @@ class CPUAdam(torch.optim.Optimizer):
                 e = s0 + t.numel()
                 small = t.numel() < _MIN_COMPILE_NUMEL and self.impl != "compile"  # call overhead
                 self._kernel(None if small else fn, pf[s0:e], gf[s0:e], tuple(x[s0:e] for x in st),
-                             t.view(-1), step_t, hp, bias_correction, grad_scale)
+                             t.view(-1), step_t, hp, bias_correction, grad_scale, native, threads)
                 s0 = e
         else:
             lpf, lpc = _flat(lp_out) if lp_out is not None else (None, True)
@@ -430,7 +430,7 @@ class CPUAdam(torch.optim.Optimizer):
     def _kernel(self, fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale, native=None,
                 threads=None) -> None:
         """The update of flat contiguous views (``st``: the moments, as ``compiled_call``
-        takes them): the ``native`` kernel (8-bit moments, every element), compiled ``fn``
+        takes them): the ``native`` kernel (small moments, every element), compiled ``fn``
         or, failing either, eager. For block-quantised moments the compiled kernel steps the
         whole blocks and the eager path the last, shorter one."""
         done = 0

@@ -36,7 +36,7 @@ typedef _Float16 f16_t;
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
 
-int zp_abi_version(void) { return 3; }
+int zp_abi_version(void) { return 4; }
 int zp_has_f16(void) { return ZP_HAS_F16; }
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -155,23 +155,34 @@ static inline void decode_block(const uint8_t *restrict codes, int len, int off,
 #endif
 }
 
-/* One block: GDT / LPDT / ADAMW are constants in each instantiation (inlined below). */
+enum { ST_Q8 = 0, ST_BF16 = 1 };
+
+/* One block: STATE / GDT / LPDT / ADAMW are constants in each instantiation (inlined below).
+ * ST_Q8: mc / vc are the int8 / uint8 codes, ma / va the absmax; ST_BF16: mc / vc are the bf16
+ * moments (ma / va unused), widened on load and rounded to nearest even on the store. */
 static inline __attribute__((always_inline)) void step_block(
-    int64_t b, int len, float *restrict p, const void *restrict gv, uint8_t *restrict mc, float *restrict ma,
-    uint8_t *restrict vc, float *restrict va, void *restrict lpv, const float *restrict sc,
-    const qtab_t *qs, const qtab_t *qu, const int GDT, const int LPDT, const int ADAMW) {
+    int64_t b, int len, float *restrict p, const void *restrict gv, void *restrict mcv, float *restrict ma,
+    void *restrict vcv, float *restrict va, void *restrict lpv, const float *restrict sc,
+    const qtab_t *qs, const qtab_t *qu, const int STATE, const int GDT, const int LPDT, const int ADAMW) {
     float m[BLOCK] __attribute__((aligned(64)));
     float v[BLOCK] __attribute__((aligned(64)));
     float gb[BLOCK] __attribute__((aligned(64)));
     const int64_t s = b * BLOCK;
-    if (len < BLOCK) {      /* the last block: what encode reads past len is defined */
-        memset(m, 0, sizeof m);
-        memset(v, 0, sizeof v);
+    uint8_t *restrict mc = (uint8_t *)mcv, *restrict vc = (uint8_t *)vcv;
+    uint16_t *restrict mh = (uint16_t *)mcv + s, *restrict vh = (uint16_t *)vcv + s;
+    float am_m = 1.0f, am_v = 1.0f;
+    if (STATE == ST_Q8) {
+        if (len < BLOCK) {      /* the last block: what encode reads past len is defined */
+            memset(m, 0, sizeof m);
+            memset(v, 0, sizeof v);
+        }
+        decode_block(mc + s, len, 128, qs->table, m);
+        decode_block(vc + s, len, 0, qu->table, v);
+        am_m = ma[b];
+        am_v = va[b];
     }
-    decode_block(mc + s, len, 128, qs->table, m);
-    decode_block(vc + s, len, 0, qu->table, v);
     const float s0 = sc[0], s1 = sc[1], s2 = sc[2], s3 = sc[3], s4 = sc[4], s5 = sc[5], s6 = sc[6], s7 = sc[7],
-                s8 = sc[8], am_m = ma[b], am_v = va[b];
+                s8 = sc[8];
     float *restrict pp = p + s;
     const float *restrict gp = gb;
     if (GDT == DT_F32) {
@@ -196,13 +207,20 @@ static inline __attribute__((always_inline)) void step_block(
             pd = pi;
             gf = gf + pi * s1;
         }
-        float mn = (m[i] * am_m) * s2 + s3 * gf;
-        float vn = (v[i] * am_v) * s4 + (s5 * gf) * gf;
+        float mo = STATE == ST_Q8 ? m[i] * am_m : u2f((uint32_t)mh[i] << 16);
+        float vo = STATE == ST_Q8 ? v[i] * am_v : u2f((uint32_t)vh[i] << 16);
+        float mn = mo * s2 + s3 * gf;
+        float vn = vo * s4 + (s5 * gf) * gf;
         float den = sqrtf(vn) * s6 + s7;
         float pn = pd + (s8 * mn) / den;
         pp[i] = pn;
-        m[i] = mn;
-        v[i] = vn;
+        if (STATE == ST_Q8) {
+            m[i] = mn;
+            v[i] = vn;
+        } else {
+            mh[i] = f2bf(mn);
+            vh[i] = f2bf(vn);
+        }
         uint32_t bm = f2u(mn) & 0x7fffffffu, bv = f2u(vn) & 0x7fffffffu;
         top_m = bm > top_m ? bm : top_m;
         top_v = bv > top_v ? bv : top_v;
@@ -212,35 +230,43 @@ static inline __attribute__((always_inline)) void step_block(
 #if ZP_HAS_F16
     if (LPDT == DT_F16) f32_to_f16(pp, (uint16_t *)lpv + s, len);
 #endif
-    ma[b] = u2f(top_m);
-    va[b] = u2f(top_v);
-    encode_block(m, len, u2f(top_m), qs, mc + s, 128);
-    encode_block(v, len, u2f(top_v), qu, vc + s, 0);
+    if (STATE == ST_Q8) {
+        ma[b] = u2f(top_m);
+        va[b] = u2f(top_v);
+        encode_block(m, len, u2f(top_m), qs, mc + s, 128);
+        encode_block(v, len, u2f(top_v), qu, vc + s, 0);
+    }
 }
 
-#define ZP_LOOP(GDT, LPDT, ADAMW)                                                                          \
+#define ZP_LOOP(STATE, GDT, LPDT, ADAMW)                                                                    \
     do {                                                                                                    \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
         for (int64_t b = 0; b < nb; b++) {                                                                  \
             int len = (b == nb - 1) ? (int)(n - b * BLOCK) : BLOCK;                                         \
-            step_block(b, len, p, g, mc, ma, vc, va, lp, sc, &qs, &qu, GDT, LPDT, ADAMW);                   \
+            step_block(b, len, p, g, mc, ma, vc, va, lp, sc, qs, qu, STATE, GDT, LPDT, ADAMW);              \
         }                                                                                                   \
     } while (0)
 
-#define ZP_LP(GDT, ADAMW)                                                                                   \
+#define ZP_LP(STATE, GDT, ADAMW)                                                                            \
     switch (lpdt) {                                                                                         \
-    case DT_F32: ZP_LOOP(GDT, DT_F32, ADAMW); break;                                                        \
-    case DT_BF16: ZP_LOOP(GDT, DT_BF16, ADAMW); break;                                                      \
-    case DT_F16: ZP_LOOP(GDT, DT_F16, ADAMW); break;                                                        \
-    default: ZP_LOOP(GDT, DT_NONE, ADAMW); break;                                                           \
+    case DT_F32: ZP_LOOP(STATE, GDT, DT_F32, ADAMW); break;                                                 \
+    case DT_BF16: ZP_LOOP(STATE, GDT, DT_BF16, ADAMW); break;                                               \
+    case DT_F16: ZP_LOOP(STATE, GDT, DT_F16, ADAMW); break;                                                 \
+    default: ZP_LOOP(STATE, GDT, DT_NONE, ADAMW); break;                                                    \
     }
 
-#define ZP_G(ADAMW)                                                                                         \
+#define ZP_G(STATE, ADAMW)                                                                                  \
     switch (gdt) {                                                                                          \
-    case DT_F32: ZP_LP(DT_F32, ADAMW); break;                                                               \
-    case DT_BF16: ZP_LP(DT_BF16, ADAMW); break;                                                             \
-    default: ZP_LP(DT_F16, ADAMW); break;                                                                   \
+    case DT_F32: ZP_LP(STATE, DT_F32, ADAMW); break;                                                        \
+    case DT_BF16: ZP_LP(STATE, DT_BF16, ADAMW); break;                                                      \
+    default: ZP_LP(STATE, DT_F16, ADAMW); break;                                                            \
     }
+
+static int check_dtypes(int gdt, int lpdt) {
+    if (gdt < DT_F32 || gdt > DT_F16 || lpdt < DT_F32 || lpdt > DT_NONE) return -1;
+    if (!ZP_HAS_F16 && (gdt == DT_F16 || lpdt == DT_F16)) return -1;
+    return 0;
+}
 
 /* The step of n elements (the state's first element starts block 0). p: fp32; g: gdt;
  * mc: int8 codes (signed table), ma: fp32 per block; vc: uint8 codes (unsigned table), va;
@@ -250,18 +276,35 @@ static inline __attribute__((always_inline)) void step_block(
 int zp_adam_q8(int64_t n, float *p, const void *g, int gdt, int8_t *mc8, float *ma, uint8_t *vc, float *va,
                void *lp, int lpdt, const float *sc, int adamw, int threads, const float *table_s,
                const uint32_t *enc_s, const float *table_u, const uint32_t *enc_u, int32_t lo_key, int32_t nkeys) {
-    if (gdt < DT_F32 || gdt > DT_F16 || lpdt < DT_F32 || lpdt > DT_NONE) return -1;
-    if (!ZP_HAS_F16 && (gdt == DT_F16 || lpdt == DT_F16)) return -1;
+    if (check_dtypes(gdt, lpdt)) return -1;
     if (n <= 0) return 0;
     if (threads < 1) threads = 1;
-    uint8_t *mc = (uint8_t *)mc8;
-    const qtab_t qs = {table_s, enc_s, lo_key, nkeys};
-    const qtab_t qu = {table_u, enc_u, lo_key, nkeys};
+    void *mc = (void *)mc8;
+    const qtab_t tab_s = {table_s, enc_s, lo_key, nkeys}, tab_u = {table_u, enc_u, lo_key, nkeys};
+    const qtab_t *qs = &tab_s, *qu = &tab_u;
     const int64_t nb = (n + BLOCK - 1) / BLOCK;
     if (adamw) {
-        ZP_G(1);
+        ZP_G(ST_Q8, 1);
     } else {
-        ZP_G(0);
+        ZP_G(ST_Q8, 0);
+    }
+    return 0;
+}
+
+/* The same step with bf16 moments m and v (n elements each; rounded to nearest even on the
+ * store, as torch's .to(bfloat16)). Returns 0, or -1 for an unsupported dtype. */
+int zp_adam_bf16(int64_t n, float *p, const void *g, int gdt, uint16_t *mc, uint16_t *vc, void *lp, int lpdt,
+                 const float *sc, int adamw, int threads) {
+    if (check_dtypes(gdt, lpdt)) return -1;
+    if (n <= 0) return 0;
+    if (threads < 1) threads = 1;
+    float *ma = NULL, *va = NULL;
+    const qtab_t *qs = NULL, *qu = NULL;
+    const int64_t nb = (n + BLOCK - 1) / BLOCK;
+    if (adamw) {
+        ZP_G(ST_BF16, 1);
+    } else {
+        ZP_G(ST_BF16, 0);
     }
     return 0;
 }

@@ -1,14 +1,16 @@
-"""cpu_adam's own fused C kernel for block-quantised 8-bit moments (``state_dtype = "int8"``).
+"""cpu_adam's own fused C kernel for small moments: block-quantised 8-bit
+(``state_dtype = "int8"``) and bf16 (``"bf16"``).
 
-The format is :mod:`zeroplug.quantized_states` (bitsandbytes' block-wise dynamic-tree code).
-The step is ours: ``cpu_adam_native.c`` decodes a block of 256 elements of m and v, applies
+The 8-bit format is :mod:`zeroplug.quantized_states` (bitsandbytes' block-wise dynamic-tree
+code). The step is ours: ``cpu_adam_native.c`` decodes a block of 256 elements of m and v, applies
 the Adam(W) update in fp32 (the math and operation order of
 :func:`.cpu_adam_kernels.scalars` / ``_adam_math``), takes the block's new absmax, encodes
 it and writes p, the codes, the absmax and the optional bf16/fp16/fp32 copy of p, all while
 the block is in L1: one pass, each byte read or written once, no fp32 copy of a state.
 Its codes equal :func:`zeroplug.quantized_states.quantize_` 's (``torch.bucketize`` over the
 table's midpoints) bit for bit, through a bucket table keyed by the top 16 bits of the
-scaled value (:func:`encode_tables`): one table load and a compare per element.
+scaled value (:func:`encode_tables`): one table load and a compare per element. bf16 moments
+take the same loop, widened on the load and rounded to nearest even on the store.
 
 Note: the torch.compile'd kernel (cpu_adam_kernels) cannot do this at memory speed:
 inductor does not vectorise its table loads, and it needs two passes (the absmax, then the
@@ -46,7 +48,7 @@ log = logging.getLogger("zeroplug")
 
 SOURCE = Path(__file__).with_name("cpu_adam_native.c")
 SUBDIR = "native"
-ABI = 3
+ABI = 4
 # Note: -ffp-contract=off keeps each operation rounded on its own (no fused multiply-add), as
 # torch's fp32 ops round; -fno-math-errno lets sqrtf vectorise (the kernel reads no errno).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
@@ -102,51 +104,71 @@ def flags() -> tuple[str, ...]:
     return FLAGS + (X86_FLAGS if x86 else ())
 
 
+def _torch_step(p, g, st, lpdt, sc, adamw):
+    """The update in torch ops (the self-check's reference): (p, *moments in st's form, lp)."""
+    if len(st) == 4:
+        m, v = dequantize(st[0], st[1]), dequantize(st[2], st[3])
+    else:
+        m, v = st[0].float(), st[1].float()
+    gf = g.float() * sc[0]
+    pd = p * sc[1] if adamw else p
+    if not adamw:
+        gf = gf + p * sc[1]
+    m = m * sc[2] + sc[3] * gf
+    v = v * sc[4] + (sc[5] * gf) * gf
+    p = pd + (sc[8] * m) / (v.double().sqrt().float() * sc[6] + sc[7])
+    if len(st) == 4:
+        out = [p]
+        for x, dt, absmax in ((m, torch.int8, st[1]), (v, torch.uint8, st[3])):
+            codes, am = torch.empty(x.numel(), dtype=dt), torch.empty(absmax.numel())
+            quantize_(x, codes, am)
+            out += [codes, am]
+    else:
+        out = [p, m.bfloat16(), v.bfloat16()]
+    return out + [p.to(lpdt) if lpdt is not None else None]
+
+
 def self_check(native: "Native") -> None:
-    """Step a small state (odd size, all-zero blocks, bf16 gradient times 0.5, bf16 copy;
-    Adam and AdamW; 1 and 3 threads) with ``native`` and with torch ops; raise where they
-    disagree beyond rounding (a kernel miscompiled for this CPU is never used).
+    """Step small states of both forms (odd size, all-zero blocks; bf16 gradient times 0.5
+    with a bf16 copy, and fp32 gradient without; Adam and AdamW; 1 and 3 threads) with
+    ``native`` and with torch ops; raise where they disagree beyond rounding (a kernel
+    miscompiled for this CPU is never used).
 
     Note: the reference takes the IEEE square root (fp64's, rounded), as C's sqrtf; torch's
     vectorised fp32 sqrt may differ in the last bit."""
     from .cpu_adam_kernels import scalars
     n = 5 * BLOCK + 37
     gen = torch.Generator().manual_seed(0)
-    for adamw, gdt, lpdt, threads in ((True, torch.bfloat16, torch.bfloat16, 3), (False, torch.float32, None, 1)):
-        p = torch.randn(n, generator=gen)
-        g = torch.randn(n, generator=gen).to(gdt)
-        m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
-        g[BLOCK:2 * BLOCK] = 0
-        m[BLOCK:2 * BLOCK] = 0
-        v[BLOCK:2 * BLOCK] = 0
-        st = [*quantize(m, torch.int8), *quantize(v, torch.uint8)]
-        hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
-        sc = scalars(hp, 3.0, True, 0.5)
-        m, v = dequantize(st[0], st[1]), dequantize(st[2], st[3])
-        gf = g.float() * sc[0]
-        pd = p * sc[1] if adamw else p
-        if not adamw:
-            gf = gf + p * sc[1]
-        m = m * sc[2] + sc[3] * gf
-        v = v * sc[4] + (sc[5] * gf) * gf
-        want_p = pd + (sc[8] * m) / (v.double().sqrt().float() * sc[6] + sc[7])
-        want = [want_p]
-        for x, dt in ((m, torch.int8), (v, torch.uint8)):
-            codes, absmax = torch.empty(n, dtype=dt), torch.empty(st[1].numel())
-            quantize_(x, codes, absmax)
-            want += [codes, absmax]
-        lp = torch.empty(n, dtype=lpdt) if lpdt is not None else None
-        native.step(p, g, st, lp, sc, adamw, threads)
-        ok = torch.allclose(p, want_p, rtol=1e-5, atol=1e-6)
-        for got, exp in zip(st, want[1:]):
-            if got.dtype == torch.float32:
-                ok = ok and torch.allclose(got, exp, rtol=1e-5, atol=0)
+    for form in ("int8", "bf16"):
+        for adamw, gdt, lpdt, threads in ((True, torch.bfloat16, torch.bfloat16, 3),
+                                          (False, torch.float32, None, 1)):
+            p = torch.randn(n, generator=gen)
+            g = torch.randn(n, generator=gen).to(gdt)
+            m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+            for t in (g, m, v):
+                t[BLOCK:2 * BLOCK] = 0
+            if form == "int8":
+                st = [*quantize(m, torch.int8), *quantize(v, torch.uint8)]
             else:
-                ok = ok and int((got.int() - exp.int()).abs().max()) <= 1 and float((got != exp).float().mean()) < 1e-3
-        if lp is not None:
-            ok = ok and torch.equal(lp, p.to(lpdt))
-        if not ok:
-            raise RuntimeError(f"the native kernel ({native.path}) disagrees with the torch-op step")
+                st = [m.bfloat16(), v.bfloat16()]
+            hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
+            sc = scalars(hp, 3.0, True, 0.5)
+            want = _torch_step(p, g, st, lpdt, sc, adamw)
+            lp = torch.empty(n, dtype=lpdt) if lpdt is not None else None
+            native.step(p, g, st, lp, sc, adamw, threads)
+            ok = torch.allclose(p, want[0], rtol=1e-5, atol=1e-6)
+            for got, exp in zip(st, want[1:]):
+                if got.dtype in (torch.int8, torch.uint8):
+                    ok = (ok and int((got.int() - exp.int()).abs().max()) <= 1
+                          and float((got != exp).float().mean()) < 1e-3)
+                else:
+                    ok = ok and torch.allclose(got.float(), exp.float(), rtol=1e-2 if got.dtype == torch.bfloat16
+                                               else 1e-5, atol=0)
+            if lp is not None:
+                ok = ok and torch.equal(lp, p.to(lpdt))
+            if not ok:
+                raise RuntimeError(f"the native kernel ({native.path}) disagrees with the torch-op step "
+                                   f"({form} states)")
 
 
 class Native:
@@ -160,6 +182,9 @@ class Native:
         lib.zp_adam_q8.argtypes = ([ctypes.c_int64, _c_p, _c_p, ctypes.c_int, _c_p, _c_p, _c_p, _c_p, _c_p,
                                     ctypes.c_int, _c_p, ctypes.c_int, ctypes.c_int] + [_c_p] * 4
                                    + [ctypes.c_int32, ctypes.c_int32])
+        lib.zp_adam_bf16.restype = ctypes.c_int
+        lib.zp_adam_bf16.argtypes = [ctypes.c_int64, _c_p, _c_p, ctypes.c_int, _c_p, _c_p, _c_p, ctypes.c_int, _c_p,
+                                     ctypes.c_int, ctypes.c_int]
         lib.zp_q8_encode.restype = ctypes.c_int
         lib.zp_q8_encode.argtypes = ([ctypes.c_int64, _c_p, _c_p, _c_p, ctypes.c_int, _c_p, _c_p,
                                       ctypes.c_int32, ctypes.c_int32])
@@ -172,26 +197,38 @@ class Native:
         return self.has_f16 or torch.float16 not in (grad_dtype, lp_dtype)
 
     def step(self, p, g, st, lp, sc: torch.Tensor, adamw: bool, threads: int) -> None:
-        """The update of flat contiguous ``p`` (fp32), ``g``, ``st`` = (m int8 codes, m absmax,
-        v uint8 codes, v absmax) and ``lp`` (or None), with the scalars ``sc``
-        (:func:`.cpu_adam_kernels.scalars`), on ``threads`` OpenMP threads."""
-        mc, ma, vc, va = st
+        """The update of flat contiguous ``p`` (fp32), ``g``, the moments ``st`` = (m int8
+        codes, m absmax, v uint8 codes, v absmax) or (m bf16, v bf16), and ``lp`` (or None),
+        with the scalars ``sc`` (:func:`.cpu_adam_kernels.scalars`), on ``threads`` OpenMP
+        threads."""
         n = p.numel()
-        if not (g.numel() == mc.numel() == vc.numel() == n and ma.numel() >= (n + BLOCK - 1) // BLOCK
-                and va.numel() >= (n + BLOCK - 1) // BLOCK and (lp is None or lp.numel() == n)):
+        nb = (n + BLOCK - 1) // BLOCK
+        q8 = len(st) == 4
+        if q8:
+            mc, ma, vc, va = st
+            ok = (mc.dtype == torch.int8 and vc.dtype == torch.uint8 and ma.dtype == va.dtype == torch.float32
+                  and ma.numel() >= nb and va.numel() >= nb)
+        else:
+            (mc, vc), ma, va = st, None, None
+            ok = mc.dtype == vc.dtype == torch.bfloat16
+        if not (ok and p.dtype == torch.float32 and sc.dtype == torch.float32 and sc.numel() == 9):
+            raise TypeError("cpu_adam native kernel: fp32 p and scalars, int8 / uint8 codes or bf16 moments")
+        if not (g.numel() == mc.numel() == vc.numel() == n and (lp is None or lp.numel() == n)):
             raise ValueError("cpu_adam native kernel: tensor sizes disagree")
-        for t in (p, g, mc, ma, vc, va, lp, sc):
-            if t is not None and not t.is_contiguous():
-                raise ValueError("cpu_adam native kernel: tensors must be contiguous")
-        if mc.dtype != torch.int8 or vc.dtype != torch.uint8 or p.dtype != torch.float32 or sc.dtype != torch.float32:
-            raise TypeError("cpu_adam native kernel: fp32 p and sc, int8 / uint8 codes")
-        ts, es = self.tables[True]
-        tu, eu = self.tables[False]
+        if any(t is not None and not t.is_contiguous() for t in (p, g, mc, ma, vc, va, lp, sc)):
+            raise ValueError("cpu_adam native kernel: tensors must be contiguous")
         lpdt = lp.dtype if lp is not None else None
-        rc = self.lib.zp_adam_q8(n, p.data_ptr(), g.data_ptr(), _DT[g.dtype], mc.data_ptr(), ma.data_ptr(),
-                                 vc.data_ptr(), va.data_ptr(), lp.data_ptr() if lp is not None else None,
-                                 _DT[lpdt], sc.data_ptr(), int(bool(adamw)), max(1, int(threads)),
-                                 ts.data_ptr(), es.data_ptr(), tu.data_ptr(), eu.data_ptr(), LO_KEY, self.nkeys)
+        head = (n, p.data_ptr(), g.data_ptr(), _DT[g.dtype])
+        tail = (lp.data_ptr() if lp is not None else None, _DT[lpdt], sc.data_ptr(), int(bool(adamw)),
+                max(1, int(threads)))
+        if q8:
+            ts, es = self.tables[True]
+            tu, eu = self.tables[False]
+            rc = self.lib.zp_adam_q8(*head, mc.data_ptr(), ma.data_ptr(), vc.data_ptr(), va.data_ptr(), *tail,
+                                     ts.data_ptr(), es.data_ptr(), tu.data_ptr(), eu.data_ptr(), LO_KEY,
+                                     self.nkeys)
+        else:
+            rc = self.lib.zp_adam_bf16(*head, mc.data_ptr(), vc.data_ptr(), *tail)
         if rc != 0:
             raise RuntimeError(f"cpu_adam native kernel: unsupported dtypes (grad {g.dtype}, lp {lpdt})")
 
@@ -286,7 +323,7 @@ class Loader:
                         native = Native(build())
                         self_check(native)
                         self.native = native
-                        log.info("[zeroplug] cpu_adam: native 8-bit state kernel %s", native.path)
+                        log.info("[zeroplug] cpu_adam: native small-state kernel %s", native.path)
                     except Exception as e:      # no compiler, build error, bad library: said once, by get
                         self.error = f"{type(e).__name__}: {e}"[:2000]
 
@@ -297,9 +334,9 @@ class Loader:
                 raise RuntimeError(f"cpu_adam: native kernel unavailable ({self.error})")
             if not self.warned:
                 self.warned = True
-                log.warning("[zeroplug] cpu_adam: native 8-bit state kernel unavailable (%s); using the "
+                log.warning("[zeroplug] cpu_adam: native small-state kernel unavailable (%s); using the "
                             "compiled or eager path", self.error)
-                warnings.warn(f"cpu_adam: native 8-bit state kernel unavailable ({self.error[:300]}); using "
+                warnings.warn(f"cpu_adam: native small-state kernel unavailable ({self.error[:300]}); using "
                               "the compiled or eager path", RuntimeWarning, stacklevel=3)
         return self.native
 

@@ -3,15 +3,15 @@ Mparams/s of the one-pass update the cpu tier calls (bf16 gradient in, grad_scal
 out) on one flat sub-group, each form timed interleaved with the others.
 
     python3 tests/benchmarks/state_dtype_step.py [--n 100000000] [--repeats 5] [--impl auto]
-        [--int8-impls native,compile]
+        [--bf16-impls native,compile] [--int8-impls native,compile]
 
 Bytes per element moved: fp32 states 28 (read p, bf16 g, m, v; write p, m, v, bf16 lp),
 bf16 states 20, int8 states 16 + the absmax (the compiled int8 kernel reads the codes and the
 gradient twice: 20). Prints one row per form: Mparams/s, the time per step and the ratio
-to fp32 states; int8 once per implementation of --int8-impls (native: the fused C kernel
-that ``auto`` takes; native-scalar: the same kernel built with scalar table loads instead of
-AVX-512 gathers, called directly; compile: the torch.compile'd two-pass kernel; eager), side
-by side in one run. The first call of each form builds its kernel (excluded).
+to fp32 states; bf16 and int8 once per implementation of --bf16-impls / --int8-impls
+(native: the fused C kernel that ``auto`` takes; native-scalar, int8 only: the same kernel
+built with scalar table loads instead of AVX-512 gathers, called directly; compile: the
+torch.compile'd kernel (two passes for int8); eager), side by side in one run. The first call of each form builds its kernel (excluded).
 """
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=100_000_000, help="elements of the sub-group (default 1e8)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--impl", default="auto", choices=["auto", "compile", "eager"],
-                    help="the fp32 and bf16 states' implementation")
+                    help="the fp32 states' implementation")
+    ap.add_argument("--bf16-impls", default="native,compile",
+                    help="comma-separated bf16 implementations to time (native, compile, eager, auto)")
     ap.add_argument("--int8-impls", default="native,compile",
                     help="comma-separated int8 implementations to time (native, native-scalar, compile, eager, auto)")
     a = ap.parse_args()
@@ -41,7 +43,8 @@ def main() -> int:
     g = torch.randn(n).bfloat16()
     lp = torch.empty(n, dtype=torch.bfloat16)
     runs = {}
-    forms = [("fp32", "fp32", a.impl), ("bf16", "bf16", a.impl)]
+    forms = [("fp32", "fp32", a.impl)]
+    forms += [(f"bf16 ({impl})", "bf16", impl) for impl in a.bf16_impls.split(",") if impl]
     forms += [(f"int8 ({impl})", "int8", impl) for impl in a.int8_impls.split(",") if impl]
     for form, state_dtype, impl in forms:
         p = torch.randn(n)
