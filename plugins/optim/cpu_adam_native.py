@@ -21,7 +21,7 @@ Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=n
 CPU directory of :func:`.cpu_adam_warmup.cache_root`, created 0700; a directory that another
 user could write is not used: a private temporary one is), written to a temporary file and
 renamed, keyed by a hash of the source, the compiler's version and the flags, so that a
-machine builds it once. Loaded with ctypes, which releases the GIL during the call (the
+machine builds it once (one process at a time, under a file lock beside it). Loaded with ctypes, which releases the GIL during the call (the
 overlapped step runs it on a worker thread). The OpenMP thread count is given per call.
 Where it cannot be built or loaded, cpu_adam warns once and takes the compiled or eager
 path; ``ZEROPLUG_CPU_ADAM_IMPL=compile`` (or ``eager``) never uses it.
@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -48,6 +49,7 @@ log = logging.getLogger("zeroplug")
 
 SOURCE = Path(__file__).with_name("cpu_adam_native.c")
 SUBDIR = "native"
+LOCK_NAME = "build.lock"
 ABI = 4
 # Note: -ffp-contract=off keeps each operation rounded on its own (no fused multiply-add), as
 # torch's fp32 ops round; -fno-math-errno lets sqrtf vectorise (the kernel reads no errno).
@@ -283,8 +285,48 @@ def build(extra: tuple[str, ...] = ()) -> str:
     if why:
         log.warning("[zeroplug] cpu_adam native kernel: %s; building in %s", why, d)
     path = os.path.join(d, _library_name(cc, source, tuple(extra)))
-    if os.path.isfile(path) and os.stat(path).st_uid == os.getuid():
+    if _built(path):
         return path
+    # one process per machine builds (the ranks of a host start together); the others wait
+    lock = _build_lock(os.path.join(d, LOCK_NAME))
+    try:
+        if _built(path):
+            return path
+        _compile(cc, source, extra, d, path)
+    finally:
+        if lock is not None:
+            lock.release()
+    return path
+
+
+def _built(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and os.path.isfile(path)
+
+
+def _build_lock(path: str, timeout_s: float = 900.0):
+    """The build lock (None where the filesystem keeps no locks or it was not had in time)."""
+    from zeroplug.locks import try_lock
+    t0 = time.monotonic()
+    said = False
+    while True:
+        try:
+            lock = try_lock(path, mode=0o600)
+        except OSError:
+            return None
+        if lock is not None or time.monotonic() - t0 > timeout_s:
+            return lock
+        if not said:
+            log.info("[zeroplug] cpu_adam: another process on this machine is building the native kernel (%s); "
+                     "waiting for it", path)
+            said = True
+        time.sleep(0.1)
+
+
+def _compile(cc: str, source: bytes, extra: tuple[str, ...], d: str, path: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".cpu_adam_q8-", suffix=".so", dir=d)
     os.close(fd)
     try:
@@ -298,7 +340,6 @@ def build(extra: tuple[str, ...] = ()) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
 
 
 class Loader:

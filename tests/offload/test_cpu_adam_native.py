@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 import warnings
 
 import pytest
@@ -202,11 +204,25 @@ def test_impl_env_forces_the_old_path(monkeypatch):
 
 def test_build_is_cached_privately(tmp_path, monkeypatch):
     """The library lands in zeroplug's cache directory (0700 folder, a file of this user),
-    renamed into place; a second build finds it instead of compiling again."""
+    renamed into place; a build waits while another process holds the build lock; a second
+    build finds the library instead of compiling again."""
     monkeypatch.setenv("ZEROPLUG_CACHE_DIR", str(tmp_path / "cache"))
-    path = cpu_adam_native.build()
+    from zeroplug.locks import try_lock
+    from zeroplug.plugins.optim.cpu_adam_warmup import cache_root
+    d = os.path.join(cache_root(), cpu_adam_native.SUBDIR)
+    os.makedirs(d, mode=0o700)
+    held = try_lock(os.path.join(d, cpu_adam_native.LOCK_NAME), mode=0o600)
+    assert held is not None
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("path", cpu_adam_native.build()))
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive() and not [f for f in os.listdir(d) if f.endswith(".so")]     # waiting for the lock
+    held.release()
+    t.join(600)
+    path = out["path"]
     assert path.startswith(os.path.realpath(tmp_path / "cache"))
-    d = os.path.dirname(path)
+    assert os.path.dirname(path) == os.path.realpath(d)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     assert os.stat(path).st_uid == os.getuid()
     assert [f for f in os.listdir(d) if f.startswith(".")] == []       # no temporary file left
