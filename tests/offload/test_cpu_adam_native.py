@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -268,3 +269,32 @@ def test_self_check_rejects_a_wrong_kernel(nat, monkeypatch):
     monkeypatch.setattr(nat, "step", wrong)
     with pytest.raises(RuntimeError, match="disagrees"):
         cpu_adam_native.self_check(nat)
+
+
+def test_step_releases_the_gil(nat):
+    """The overlapped step calls the kernel on a worker thread: Python code keeps running on
+    the main thread during the call (ctypes releases the GIL for it). With a long switch
+    interval the main thread runs only while the worker gives the GIL up by itself."""
+    n = 40 * (1 << 16)
+    p, g, st = _case(n, torch.bfloat16, zero_blocks=False)
+    sc = scalars(dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, adamw=True), 1.0, True, 1.0)
+    done = threading.Event()
+    spins, during = [0], []
+
+    def worker():
+        for _ in range(3):
+            before = spins[0]
+            nat.step(p, g, st, None, sc, True, 1)
+            during.append(spins[0] - before)
+        done.set()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.25)
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        while not done.is_set():
+            spins[0] += 1
+        t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert min(during) > 100, during
