@@ -16,7 +16,8 @@
  * with one table load per element.
  *
  * The table lookups (decode and encode) are AVX-512 gathers where the compiler targets
- * AVX-512, else scalar loads; every other loop is plain C that the compiler vectorises.
+ * AVX-512, the decode and the encode then each one loop of 16 lanes in GCC's generic vectors;
+ * else scalar loads. Every other loop is plain C that the compiler vectorises.
  */
 #include <math.h>
 #include <stdint.h>
@@ -49,9 +50,11 @@ static inline uint16_t f2bf(float f) {
     return (f != f) ? (uint16_t)0x7fc0 : (uint16_t)r;
 }
 
-/* Table lookups: AVX-512 gathers, else scalar loads (-DZP_GATHER=0 takes scalar loads on
- * AVX-512 too). Note: an AVX2 gather is slower than unrolled scalar loads on some CPUs (AMD
- * Zen 3), yet compilers tuned for them emit it; the empty asm keeps the scalar loop scalar. */
+/* Table lookups: gathers where the compiler targets AVX-512, else scalar loads
+ * (-DZP_GATHER=0 / 1 chooses; with gathers on AVX2, each 16-wide gather is two 8-wide ones,
+ * which the tests use to run the gather code on machines without AVX-512). Note: an AVX2
+ * gather is slower than unrolled scalar loads on some CPUs (AMD Zen 3), yet compilers tuned
+ * for them emit it; the empty asm keeps the scalar loops scalar. */
 #ifndef ZP_GATHER
 #if defined(__AVX512F__)
 #define ZP_GATHER 1
@@ -59,21 +62,57 @@ static inline uint16_t f2bf(float f) {
 #define ZP_GATHER 0
 #endif
 #endif
+#if ZP_GATHER && !defined(__AVX512F__) && !defined(__AVX2__)
+#error "ZP_GATHER needs AVX2 or AVX-512"
+#endif
 #define ZP_SCALAR(v) __asm__("" : "+r"(v))
 
-static inline void lookup_i(const uint32_t *restrict t, const int32_t *restrict idx, uint32_t *restrict out) {
 #if ZP_GATHER
-    for (int i = 0; i < BLOCK; i += 16)
-        _mm512_storeu_si512((void *)(out + i), _mm512_i32gather_epi32(_mm512_loadu_si512((const void *)(idx + i)), t, 4));
+/* 16 lanes in GCC's generic vectors: one zmm on AVX-512, two ymm on AVX2 */
+typedef int32_t zi __attribute__((vector_size(64)));
+typedef uint32_t zu __attribute__((vector_size(64)));
+typedef float zf __attribute__((vector_size(64)));
+typedef int8_t zb __attribute__((vector_size(16)));
+typedef uint8_t zub __attribute__((vector_size(16)));
+
+static inline zi gather_i16(const int32_t *t, zi idx) {
+#if defined(__AVX512F__)
+    return (zi)_mm512_i32gather_epi32((__m512i)idx, t, 4);
 #else
+    __m256i h[2], r[2];
+    memcpy(h, &idx, sizeof h);
+    r[0] = _mm256_i32gather_epi32((const int *)t, h[0], 4);
+    r[1] = _mm256_i32gather_epi32((const int *)t, h[1], 4);
+    zi out;
+    memcpy(&out, r, sizeof out);
+    return out;
+#endif
+}
+
+static inline zf gather_f16(const float *t, zi idx) {
+#if defined(__AVX512F__)
+    return (zf)_mm512_i32gather_ps((__m512i)idx, t, 4);
+#else
+    __m256i h[2];
+    __m256 r[2];
+    memcpy(h, &idx, sizeof h);
+    r[0] = _mm256_i32gather_ps(t, h[0], 4);
+    r[1] = _mm256_i32gather_ps(t, h[1], 4);
+    zf out;
+    memcpy(&out, r, sizeof out);
+    return out;
+#endif
+}
+#else
+static inline void lookup_i(const uint32_t *restrict t, const int32_t *restrict idx, uint32_t *restrict out) {
 #pragma GCC unroll 8
     for (int i = 0; i < BLOCK; i++) {
         uint32_t v = t[idx[i]];
         ZP_SCALAR(v);
         out[i] = v;
     }
-#endif
 }
+#endif
 
 #if ZP_HAS_F16
 static inline void f16_to_f32(const uint16_t *restrict in, float *restrict out, int n) {
@@ -110,9 +149,41 @@ typedef struct {
 static inline void encode_block(const float *restrict x, int len, float am, const qtab_t *q,
                                 uint8_t *restrict codes, int off) {
     const float inv = am > 0.0f ? 1.0f / am : 0.0f;
+    const int32_t lo = q->lo_key, hi = q->lo_key + q->nkeys - 1, nk = q->nkeys;
+#if ZP_GATHER
+    /* one pass of 16 lanes: scale, bucket, gather, compare, narrow */
+    const zi vlo = (zi){0} + lo, vhi = (zi){0} + hi;
+    for (int i = 0; i < BLOCK; i += 16) {
+        zf xv;
+        memcpy(&xv, x + i, sizeof xv);
+        zu u = (zu)(xv * inv);
+        zi mag = (zi)((u >> 16) & 0x7fffu);
+        zi below = mag < vlo, above = mag > vhi;
+        mag = (mag & ~below) | (vlo & below);
+        mag = (mag & ~above) | (vhi & above);
+        zi neg = (zi)u >> 31;                                   /* 0 or -1 */
+        zi e = gather_i16((const int32_t *)q->enc, (neg & nk) + (mag - vlo));
+        zi d = (zi)(u & 0xffffu) - (e & 0xffff);
+        zi dd = (d ^ neg) - neg;                                /* d, or -d for x < 0 */
+        zi code = ((zi)((zu)e >> 16)) - (dd > 0) - off;         /* (dd > 0) is -1 where true */
+        uint8_t out[16];
+        if (off) {
+            zb c8 = __builtin_convertvector(code, zb);
+            memcpy(out, &c8, 16);
+        } else {
+            zub c8 = __builtin_convertvector(code, zub);
+            memcpy(out, &c8, 16);
+        }
+        if (i + 16 <= len) {
+            memcpy(codes + i, out, 16);
+        } else {
+            for (int k = 0; i + k < len; k++) codes[i + k] = out[k];
+            break;
+        }
+    }
+#else
     int32_t key[BLOCK] __attribute__((aligned(64)));
     uint32_t ub[BLOCK] __attribute__((aligned(64))), e[BLOCK] __attribute__((aligned(64)));
-    const int32_t lo = q->lo_key, hi = q->lo_key + q->nkeys - 1, nk = q->nkeys;
     for (int i = 0; i < BLOCK; i++) {
         uint32_t u = f2u(x[i] * inv);
         ub[i] = u;
@@ -129,21 +200,33 @@ static inline void encode_block(const float *restrict x, int len, float am, cons
         int32_t dd = (d ^ neg) - neg;                           /* d, or -d for x < 0 */
         codes[i] = (uint8_t)((e[i] >> 16) + (uint32_t)(dd > 0) - (uint32_t)off);
     }
+#endif
 }
 
 /* out[0:len] = the table values of codes[0:len] (table index = code + off), unscaled */
 static inline void decode_block(const uint8_t *restrict codes, int len, int off, const float *table,
                                 float *restrict out) {
 #if ZP_GATHER
-    int32_t idx[BLOCK] __attribute__((aligned(64)));
-    if (len == BLOCK) {
-        for (int i = 0; i < BLOCK; i++) idx[i] = off ? (int32_t)(int8_t)codes[i] + off : (int32_t)codes[i];
-    } else {
-        for (int i = 0; i < len; i++) idx[i] = off ? (int32_t)(int8_t)codes[i] + off : (int32_t)codes[i];
-        for (int i = len; i < BLOCK; i++) idx[i] = 0;
+    uint8_t part[BLOCK];
+    if (len < BLOCK) {          /* the last block: no read past the codes */
+        memset(part, off ? 0x80 : 0, sizeof part);
+        memcpy(part, codes, (size_t)len);
+        codes = part;
     }
-    for (int i = 0; i < BLOCK; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_i32gather_ps(_mm512_loadu_si512((const void *)(idx + i)), table, 4));
+    for (int i = 0; i < BLOCK; i += 16) {
+        zi idx;
+        if (off) {
+            zb c;
+            memcpy(&c, codes + i, 16);
+            idx = __builtin_convertvector(c, zi) + off;
+        } else {
+            zub c;
+            memcpy(&c, codes + i, 16);
+            idx = __builtin_convertvector(c, zi);
+        }
+        zf v = gather_f16(table, idx);
+        memcpy(out + i, &v, sizeof v);
+    }
 #else
     const float *t = table + off;       /* indexed by the code itself */
 #pragma GCC unroll 8

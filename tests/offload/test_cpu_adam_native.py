@@ -29,6 +29,18 @@ def nat():
     return cpu_adam_native.LOADER.get(strict=True)
 
 
+@pytest.fixture(scope="module", params=["default", "gathers"])
+def kernel(request, nat):
+    """The kernel as built for this machine, and built with gathers for its table loads (the
+    AVX-512 build's code, here with two AVX2 gathers for each 16-wide one)."""
+    if request.param == "default":
+        return nat
+    try:
+        return cpu_adam_native.Native(cpu_adam_native.build(("-DZP_GATHER=1",)))
+    except RuntimeError as e:       # no AVX2 or AVX-512 here
+        pytest.skip(f"no gather build here: {str(e)[:200]}")
+
+
 def _blocks_with_absmax_one(vals: torch.Tensor) -> torch.Tensor:
     """``vals`` in blocks of 255 plus a 1.0 each: the encoder sees them unscaled."""
     k = (vals.numel() + B - 2) // (B - 1)
@@ -37,7 +49,7 @@ def _blocks_with_absmax_one(vals: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
-def test_encoder_equals_quantize(nat, dtype):
+def test_encoder_equals_quantize(kernel, dtype):
     """The codes and absmax of quantize_ (torch.bucketize over the midpoints), bit for bit: on
     every midpoint and its two fp32 neighbours, 0, -0, tiny values, 1, random values, all-zero
     blocks and a partial last block."""
@@ -56,7 +68,7 @@ def test_encoder_equals_quantize(nat, dtype):
         want_c, want_a = torch.empty(x.numel(), dtype=dtype), torch.empty((x.numel() + B - 1) // B)
         quantize_(x.clone(), want_c, want_a)
         got_c, got_a = torch.empty_like(want_c), torch.empty_like(want_a)
-        nat.encode(x.clone(), got_c, got_a)
+        kernel.encode(x.clone(), got_c, got_a)
         assert torch.equal(got_a, want_a)
         assert torch.equal(got_c, want_c), (got_c != want_c).sum()
 
@@ -110,11 +122,11 @@ def _case(n, gdt, seed=0, zero_blocks=True, form="int8"):
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["int8", "bf16"])
-def test_step_equals_torch_ops(nat, n, adamw, gdt, form):
+def test_step_equals_torch_ops(kernel, n, adamw, gdt, form):
     """p, the moments (codes and absmax, or bf16) and the copy equal the torch-op step bit for
     bit: Adam and AdamW, each gradient dtype, grad_scale != 1, every copy dtype and none, a
     partial last block, all-zero blocks, several thread counts."""
-    if not nat.supports(gdt, None):
+    if not kernel.supports(gdt, None):
         pytest.skip("compiler without _Float16")
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
     for lpdt, grad_scale, threads in ((None, 1.0, 1), (torch.bfloat16, 0.5, 2), (torch.float16, 0.25, 3),
@@ -124,7 +136,7 @@ def test_step_equals_torch_ops(nat, n, adamw, gdt, form):
         want = torch_step(p.clone(), g, [t.clone() for t in st], torch.empty(n, dtype=lpdt) if lpdt else None,
                           sc, adamw)
         lp = torch.full((n,), 7.0, dtype=lpdt) if lpdt else None
-        nat.step(p, g, st, lp, sc, adamw, threads)
+        kernel.step(p, g, st, lp, sc, adamw, threads)
         what_ = ("p", "m codes", "m absmax", "v codes", "v absmax") if form == "int8" else ("p", "m", "v")
         for got, exp, what in zip([p, *st, lp], want, what_ + ("lp",)):
             if exp is None:
