@@ -135,10 +135,53 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, parsed
 
 
-def apply_overrides(raw: dict, overrides) -> dict:
+def _slot_table(raw: dict, path: str) -> dict | None:
+    node = raw
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def _drop_for_switch(raw: dict, path: str, name: Any, pm) -> None:
+    """An override that names another plugin for slot table ``path`` than the lower layers
+    (the TOML file, the built-in default) leaves out those layers' keys of that table which
+    the new plugin has no option for, with a note: they configured the plugin replaced.
+
+    Note: keys the new plugin also takes (an optimizer's ``lr`` across adamw and cpu_adam)
+    stay, and the overrides' own keys are applied after this, so an unknown key written on
+    the command line is still an error."""
+    table = _slot_table(raw, path)
+    if not table or not isinstance(name, str):
+        return
+    slot, default = SLOT_TABLES[path]
+    before = table.get("plugin", default)
+    if before == name:
+        return
+    if pm is None:
+        from .registry import get_plugin_manager
+        pm = get_plugin_manager()
+    reg = pm.registry().get(slot, {}).get(name)
+    if reg is None:             # resolve names the unknown plugin
+        return
+    from .options import fields_of
+    known = fields_of(reg.impl.Options)
+    aliases = {a for f, _ in known.values() for a in f.metadata.get("alias", ())}
+    dropped = [k for k in table if k != "plugin" and k not in known and k not in aliases]
+    for k in dropped:
+        del table[k]
+    if dropped:
+        logging.getLogger("zeroplug").info(
+            "[zeroplug] %s.plugin = %r (override) replaces %r: its keys %s are left out", path, name, before,
+            ", ".join(dropped))
+
+
+def apply_overrides(raw: dict, overrides, pm=None) -> dict:
     raw = copy.deepcopy(raw)
-    for item in overrides or ():
-        key, value = parse_override(item) if isinstance(item, str) else item
+    items = [parse_override(item) if isinstance(item, str) else item for item in overrides or ()]
+    for key, value in items:
+        if key.endswith(".plugin") and key[:-len(".plugin")] in SLOT_TABLES:
+            _drop_for_switch(raw, key[:-len(".plugin")], value, pm)
+    for key, value in items:
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:
@@ -257,7 +300,7 @@ def load(source=None, overrides=None, pm=None, world_size: int = 1, model=None) 
     the model's hidden size, as the Hugging Face integration does."""
     if isinstance(source, Config):
         if overrides:
-            return resolve(apply_overrides(source.raw, overrides), pm, world_size)
+            return resolve(apply_overrides(source.raw, overrides, pm), pm, world_size)
         if source.world_size != world_size:
             return resolve(source.raw, pm, world_size)
         return source
@@ -270,7 +313,7 @@ def load(source=None, overrides=None, pm=None, world_size: int = 1, model=None) 
         raw = read_file(source)
     else:
         raise ConfigError(f"config must be a path, a dict or a zeroplug Config, got {type(source).__name__}")
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(raw, overrides, pm)
     if getattr(raw, "translation", None) is None:
         return resolve(raw, pm, world_size)
     from .convert.load import resolve_translated

@@ -153,6 +153,24 @@ def test_override_into_a_non_table(tmp_path):
     assert "batch" in str(info.value) and "not a table" in str(info.value)
 
 
+def test_override_switching_a_plugin_leaves_out_the_replaced_plugins_keys(caplog):
+    """--scheduler.plugin=none over a TOML [scheduler] of warmup_cosine: the TOML's keys that
+    "none" has no option for are left out (with a note) instead of failing the run; keys the
+    new plugin shares stay, and an unknown key written on the command line is still an error."""
+    raw = {"scheduler": {"plugin": "warmup_cosine", "warmup_num_steps": 30, "total_num_steps": 300},
+           "optimizer": {"plugin": "adamw", "lr": 2e-3, "betas": [0.9, 0.95]}}
+    with caplog.at_level("INFO", logger="zeroplug"):
+        cfg = load(raw, overrides=["--scheduler.plugin=none", "--optimizer.plugin=cpu_adam"])
+    assert cfg.slots["scheduler"].name == "none"
+    assert cfg.slots["optimizer"].options.lr == 2e-3 and tuple(cfg.slots["optimizer"].options.betas) == (0.9, 0.95)
+    assert "warmup_num_steps, total_num_steps are left out" in caplog.text
+    with pytest.raises(ConfigError) as info:
+        load(raw, overrides=["--scheduler.plugin=none", "--scheduler.warmup_num_steps=5"])
+    assert "unknown key scheduler.warmup_num_steps" in str(info.value)
+    # the same plugin named again changes nothing
+    assert load(raw, overrides=["--scheduler.plugin=warmup_cosine"]).slots["scheduler"].options.total_num_steps == 300
+
+
 def test_toml_file_unknown_key_names_path(tmp_path):
     p = write(tmp_path, """
         [zero]
