@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import stat
@@ -196,6 +197,28 @@ def try_lock(path, create: bool = True, record: bool = True, mode: int = 0o644,
     raise OSError(errno.EAGAIN, "the lock file keeps being replaced", where)
 
 
+def wait_lock(path, what: str = "", timeout_s: float | None = None, mode: int = 0o600,
+              poll_s: float = 0.1) -> tuple[FileLock | None, float]:
+    """Take the lock at ``path``, waiting while another process holds it: ``(lock, seconds
+    waited)``. The lock is None where the filesystem keeps no locks, or after ``timeout_s``
+    (None: no limit). ``what`` (e.g. "building the kernel"): one INFO line the first time it
+    waits, naming the file."""
+    t0 = time.monotonic()
+    said = False
+    while True:
+        try:
+            lock = try_lock(path, mode=mode)
+        except OSError:
+            return None, time.monotonic() - t0
+        if lock is not None or (timeout_s is not None and time.monotonic() - t0 > timeout_s):
+            return lock, time.monotonic() - t0
+        if what and not said:
+            logging.getLogger("zeroplug").info("[zeroplug] another process on this machine is %s (%s); "
+                                               "waiting for it", what, os.fspath(path))
+            said = True
+        time.sleep(poll_s)
+
+
 #: the longest record read from a lock file (a holder's record is well below it)
 RECORD_LIMIT = 4096
 
@@ -245,5 +268,5 @@ def describe_holder(rec: dict | None) -> str:
     return out
 
 
-__all__ = ["FileLock", "NotALockFile", "RECORD_LIMIT", "try_lock", "read_holder", "describe_holder", "holder_record",
+__all__ = ["FileLock", "NotALockFile", "RECORD_LIMIT", "try_lock", "wait_lock", "read_holder", "describe_holder", "holder_record",
            "UNSUPPORTED"]

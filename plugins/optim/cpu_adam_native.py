@@ -37,12 +37,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from zeroplug.locks import wait_lock
 from zeroplug.quantized_states import BLOCK, dequantize, midpoints, qmap, quantize, quantize_
 
 log = logging.getLogger("zeroplug")
@@ -288,7 +288,7 @@ def build(extra: tuple[str, ...] = ()) -> str:
     if _built(path):
         return path
     # one process per machine builds (the ranks of a host start together); the others wait
-    lock = _build_lock(os.path.join(d, LOCK_NAME))
+    lock, _ = wait_lock(os.path.join(d, LOCK_NAME), "building cpu_adam's native kernel", timeout_s=900.0)
     try:
         if _built(path):
             return path
@@ -305,25 +305,6 @@ def _built(path: str) -> bool:
     except OSError:
         return False
     return st.st_uid == os.getuid() and os.path.isfile(path)
-
-
-def _build_lock(path: str, timeout_s: float = 900.0):
-    """The build lock (None where the filesystem keeps no locks or it was not had in time)."""
-    from zeroplug.locks import try_lock
-    t0 = time.monotonic()
-    said = False
-    while True:
-        try:
-            lock = try_lock(path, mode=0o600)
-        except OSError:
-            return None
-        if lock is not None or time.monotonic() - t0 > timeout_s:
-            return lock
-        if not said:
-            log.info("[zeroplug] cpu_adam: another process on this machine is building the native kernel (%s); "
-                     "waiting for it", path)
-            said = True
-        time.sleep(0.1)
 
 
 def _compile(cc: str, source: bytes, extra: tuple[str, ...], d: str, path: str) -> None:

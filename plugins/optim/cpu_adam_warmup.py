@@ -48,13 +48,15 @@ import torch
 
 from zeroplug.trust import (ancestors_problem, atomic_write, code_dir_problem, existing_ancestor, make_dirs,
                             open_append, printable)
-from zeroplug.locks import try_lock
+from zeroplug.locks import wait_lock
 
 from . import cpu_adam_kernels as kernels
 
 log = logging.getLogger("zeroplug")
 
 CACHE_ENV = "ZEROPLUG_CACHE_DIR"
+#: what the build lock's waiting line says another process is doing
+BUILDING = "building the cpu_adam kernel"
 LOCK_NAME = "cpu_adam.lock"
 ISA_FILE = "vector_isa_checks.json"
 VARIANTS_FILE = "cpu_adam_variants.json"
@@ -290,7 +292,7 @@ class WarmUp:
             # the machine's vector-ISA checks need no variant: answered (once per machine, under
             # the lock, so that a rank that waited finds the answers) while the states are set up
             lock_path = os.path.join(self.cache_dir, LOCK_NAME)
-            lock, waited = _lock(lock_path, self.announce)
+            lock, waited = wait_lock(lock_path, BUILDING if self.announce else "")
             kernels.remember_isa_checks(os.path.join(self.cache_dir, ISA_FILE))
             _pick_vec_isa()
             if lock is not None:
@@ -308,7 +310,7 @@ class WarmUp:
             # seconds after the first, which then waited in step 1's first collective. A
             # build takes the lock, so that one rank builds and the others load its result.
             if not self.cached():
-                lock, more = _lock(lock_path, self.announce)
+                lock, more = wait_lock(lock_path, BUILDING if self.announce else "")
                 waited += more
             t1 = time.perf_counter()
             before = _cache_counters()
@@ -414,24 +416,6 @@ def _add_variants(path: str, names: list[str]) -> None:
         atomic_write(path, json.dumps(sorted(known), indent=1).encode())
     except OSError:
         pass
-
-
-def _lock(path: str, announce: bool):
-    """The build lock (None where the filesystem keeps no locks), and seconds waited for it."""
-    t0 = time.perf_counter()
-    said = False
-    while True:
-        try:
-            lock = try_lock(path, mode=0o600)
-        except OSError:
-            return None, time.perf_counter() - t0
-        if lock is not None:
-            return lock, time.perf_counter() - t0
-        if announce and not said:
-            log.info("[zeroplug] cpu_adam: another process on this machine is building the kernel "
-                     "(%s); waiting for it", path)
-            said = True
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":
