@@ -368,9 +368,7 @@ class CPUAdam(torch.optim.Optimizer):
         fn = None
         threads = threads or self.threads
         native = self._native(grad.dtype, lp_out.dtype if lp_out is not None else None) if n else None
-        if native is not None:
-            pass
-        elif self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
+        if native is None and self._wants_compiled(grad.dtype, lp_out, grad_scale, n):
             key = self._key(group["adamw_mode"], grad.dtype, lp_out.dtype if lp_out is not None else None)
             fn = kernels.COMPILED.get(key, strict=self.impl == "compile", threads=threads)
         state = self._init_state(p)
