@@ -18,7 +18,9 @@ multipliers, where it works), or ``eager``, ATen's fused single-pass kernel. Bot
 the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`. Moments held
 as int8 or bf16 (``state_dtype``) take a third, ``native``: our own fused C kernel
 (:mod:`.cpu_adam_native`), at every size; ``impl="native"`` makes its failures errors,
-``impl="compile"`` (or ``eager``) never uses it.
+``impl="compile"`` (or ``eager``) never uses it. fp32 moments take the native kernel only
+with ``impl="native"`` (``ZEROPLUG_CPU_ADAM_IMPL=native``); ``auto`` keeps them on the
+compiled / eager paths.
 
 Tensors below ``_MIN_COMPILE_NUMEL`` always use ``eager`` (a compiled call costs ~30-40 us
 of guard and wrapper overhead).  Set ``ZEROPLUG_CPU_ADAM_IMPL=eager`` (or
@@ -217,8 +219,14 @@ class CPUAdam(torch.optim.Optimizer):
                 state[key] = cur.to(dt, memory_format=torch.contiguous_format)
 
     def _native_states(self) -> bool:
-        """Whether steps take the native kernel (int8 or bf16 moments), where it is available."""
-        return self.state_dtype in ("int8", "bf16") and self.impl in ("auto", "native")
+        """Whether steps take the native kernel, where it is available: int8 or bf16 moments
+        unless ``impl`` is "compile" / "eager", fp32 moments with ``impl="native"``.
+
+        Note: fp32 moments stay on the compiled / eager paths under ``auto`` until the native
+        kernel's fp32 step is measured against the compiled one on the GPU machines' CPUs."""
+        if self.state_dtype == "fp32":
+            return self.impl == "native"
+        return self.impl in ("auto", "native")
 
     def _native(self, grad_dtype, lp_dtype):
         """The native kernel for a step with these dtypes, or None (compiled / eager)."""
@@ -428,7 +436,7 @@ class CPUAdam(torch.optim.Optimizer):
     def _kernel(self, fn, pf, gf, st, lpf, step_t, hp, bias_correction, grad_scale, native=None,
                 threads=None) -> None:
         """The update of flat contiguous views (``st``: the moments, as ``compiled_call``
-        takes them): the ``native`` kernel (small moments, every element), compiled ``fn``
+        takes them): the ``native`` kernel (every element), compiled ``fn``
         or, failing either, eager. For block-quantised moments the compiled kernel steps the
         whole blocks and the eager path the last, shorter one."""
         done = 0

@@ -1,5 +1,6 @@
 /* zeroplug's fused CPU-Adam step for block-quantised 8-bit moments (cpu_adam_native.py builds
- * and loads it; the format is zeroplug.quantized_states').
+ * and loads it; the format is zeroplug.quantized_states'), and the same loop for bf16 and fp32
+ * moments (zp_adam_bf16, zp_adam_f32).
  *
  * One pass over the state, block by block (256 elements, OpenMP over blocks): decode the
  * block's m and v codes into L1-resident fp32 buffers, apply the Adam(W) update in fp32 with
@@ -37,7 +38,7 @@ typedef _Float16 f16_t;
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
 
-int zp_abi_version(void) { return 4; }
+int zp_abi_version(void) { return 5; }
 int zp_has_f16(void) { return ZP_HAS_F16; }
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -238,11 +239,12 @@ static inline void decode_block(const uint8_t *restrict codes, int len, int off,
 #endif
 }
 
-enum { ST_Q8 = 0, ST_BF16 = 1 };
+enum { ST_Q8 = 0, ST_BF16 = 1, ST_F32 = 2 };
 
 /* One block: STATE / GDT / LPDT / ADAMW are constants in each instantiation (inlined below).
  * ST_Q8: mc / vc are the int8 / uint8 codes, ma / va the absmax; ST_BF16: mc / vc are the bf16
- * moments (ma / va unused), widened on load and rounded to nearest even on the store. */
+ * moments (ma / va unused), widened on load and rounded to nearest even on the store; ST_F32:
+ * mc / vc are the fp32 moments, loaded and stored as they are. */
 static inline __attribute__((always_inline)) void step_block(
     int64_t b, int len, float *restrict p, const void *restrict gv, void *restrict mcv, float *restrict ma,
     void *restrict vcv, float *restrict va, void *restrict lpv, const float *restrict sc,
@@ -253,6 +255,7 @@ static inline __attribute__((always_inline)) void step_block(
     const int64_t s = b * BLOCK;
     uint8_t *restrict mc = (uint8_t *)mcv, *restrict vc = (uint8_t *)vcv;
     uint16_t *restrict mh = (uint16_t *)mcv + s, *restrict vh = (uint16_t *)vcv + s;
+    float *restrict mf = (float *)mcv + s, *restrict vf = (float *)vcv + s;
     float am_m = 1.0f, am_v = 1.0f;
     if (STATE == ST_Q8) {
         if (len < BLOCK) {      /* the last block: what encode reads past len is defined */
@@ -290,8 +293,8 @@ static inline __attribute__((always_inline)) void step_block(
             pd = pi;
             gf = gf + pi * s1;
         }
-        float mo = STATE == ST_Q8 ? m[i] * am_m : u2f((uint32_t)mh[i] << 16);
-        float vo = STATE == ST_Q8 ? v[i] * am_v : u2f((uint32_t)vh[i] << 16);
+        float mo = STATE == ST_Q8 ? m[i] * am_m : STATE == ST_BF16 ? u2f((uint32_t)mh[i] << 16) : mf[i];
+        float vo = STATE == ST_Q8 ? v[i] * am_v : STATE == ST_BF16 ? u2f((uint32_t)vh[i] << 16) : vf[i];
         float mn = mo * s2 + s3 * gf;
         float vn = vo * s4 + (s5 * gf) * gf;
         float den = sqrtf(vn) * s6 + s7;
@@ -300,9 +303,12 @@ static inline __attribute__((always_inline)) void step_block(
         if (STATE == ST_Q8) {
             m[i] = mn;
             v[i] = vn;
-        } else {
+        } else if (STATE == ST_BF16) {
             mh[i] = f2bf(mn);
             vh[i] = f2bf(vn);
+        } else {
+            mf[i] = mn;
+            vf[i] = vn;
         }
         uint32_t bm = f2u(mn) & 0x7fffffffu, bv = f2u(vn) & 0x7fffffffu;
         top_m = bm > top_m ? bm : top_m;
@@ -388,6 +394,24 @@ int zp_adam_bf16(int64_t n, float *p, const void *g, int gdt, uint16_t *mc, uint
         ZP_G(ST_BF16, 1);
     } else {
         ZP_G(ST_BF16, 0);
+    }
+    return 0;
+}
+
+/* The same step with fp32 moments m and v (n elements each, updated in place). Returns 0, or -1
+ * for an unsupported dtype. */
+int zp_adam_f32(int64_t n, float *p, const void *g, int gdt, float *mc, float *vc, void *lp, int lpdt,
+                const float *sc, int adamw, int threads) {
+    if (check_dtypes(gdt, lpdt)) return -1;
+    if (n <= 0) return 0;
+    if (threads < 1) threads = 1;
+    float *ma = NULL, *va = NULL;
+    const qtab_t *qs = NULL, *qu = NULL;
+    const int64_t nb = (n + BLOCK - 1) / BLOCK;
+    if (adamw) {
+        ZP_G(ST_F32, 1);
+    } else {
+        ZP_G(ST_F32, 0);
     }
     return 0;
 }

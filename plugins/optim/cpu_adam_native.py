@@ -1,5 +1,5 @@
-"""cpu_adam's own fused C kernel for small moments: block-quantised 8-bit
-(``state_dtype = "int8"``) and bf16 (``"bf16"``).
+"""cpu_adam's own fused C kernel: block-quantised 8-bit moments (``state_dtype = "int8"``),
+bf16 (``"bf16"``) and, where ``impl="native"`` asks, fp32 (``"fp32"``).
 
 The 8-bit format is :mod:`zeroplug.quantized_states` (bitsandbytes' block-wise dynamic-tree
 code). The step is ours: ``cpu_adam_native.c`` decodes a block of 256 elements of m and v, applies
@@ -10,7 +10,8 @@ the block is in L1: one pass, each byte read or written once, no fp32 copy of a 
 Its codes equal :func:`zeroplug.quantized_states.quantize_` 's (``torch.bucketize`` over the
 table's midpoints) bit for bit, through a bucket table keyed by the top 16 bits of the
 scaled value (:func:`encode_tables`): one table load and a compare per element. bf16 moments
-take the same loop, widened on the load and rounded to nearest even on the store.
+take the same loop, widened on the load and rounded to nearest even on the store, and fp32
+moments the same loop again, loaded and stored as they are.
 
 Note: the torch.compile'd kernel (cpu_adam_kernels) cannot do this at memory speed:
 inductor does not vectorise its table loads, and it needs two passes (the absmax, then the
@@ -24,7 +25,8 @@ renamed, keyed by a hash of the source, the compiler's version and the flags, so
 machine builds it once (one process at a time, under a file lock beside it). Loaded with ctypes, which releases the GIL during the call (the
 overlapped step runs it on a worker thread). The OpenMP thread count is given per call.
 Where it cannot be built or loaded, cpu_adam warns once and takes the compiled or eager
-path; ``ZEROPLUG_CPU_ADAM_IMPL=compile`` (or ``eager``) never uses it.
+path; ``ZEROPLUG_CPU_ADAM_IMPL=compile`` (or ``eager``) never uses it. fp32 moments take it
+only with ``impl="native"`` (whose failures are errors), as the self-check covers.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ log = logging.getLogger("zeroplug")
 SOURCE = Path(__file__).with_name("cpu_adam_native.c")
 SUBDIR = "native"
 LOCK_NAME = "build.lock"
-ABI = 4
+ABI = 5
 # Note: -ffp-contract=off keeps each operation rounded on its own (no fused multiply-add), as
 # torch's fp32 ops round; -fno-math-errno lets sqrtf vectorise (the kernel reads no errno).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
@@ -112,6 +114,7 @@ def _torch_step(p, g, st, lpdt, sc, adamw):
         m, v = dequantize(st[0], st[1]), dequantize(st[2], st[3])
     else:
         m, v = st[0].float(), st[1].float()
+    form = st[0].dtype
     gf = g.float() * sc[0]
     pd = p * sc[1] if adamw else p
     if not adamw:
@@ -126,14 +129,14 @@ def _torch_step(p, g, st, lpdt, sc, adamw):
             quantize_(x, codes, am)
             out += [codes, am]
     else:
-        out = [p, m.bfloat16(), v.bfloat16()]
+        out = [p, m.to(form), v.to(form)]
     return out + [p.to(lpdt) if lpdt is not None else None]
 
 
 def self_check(native: "Native") -> None:
-    """Step small states of both forms (odd size, all-zero blocks; bf16 gradient times 0.5
-    with a bf16 copy, and fp32 gradient without; Adam and AdamW; 1 and 3 threads) with
-    ``native`` and with torch ops; raise where they disagree beyond rounding (a kernel
+    """Step states of each form (int8, bf16, fp32; odd size, all-zero blocks; bf16 gradient
+    times 0.5 with a bf16 copy, and fp32 gradient without; Adam and AdamW; 1 and 3 threads)
+    with ``native`` and with torch ops; raise where they disagree beyond rounding (a kernel
     miscompiled for this CPU is never used).
 
     Note: the reference takes the IEEE square root (fp64's, rounded), as C's sqrtf; torch's
@@ -141,7 +144,7 @@ def self_check(native: "Native") -> None:
     from .cpu_adam_kernels import scalars
     n = 5 * BLOCK + 37
     gen = torch.Generator().manual_seed(0)
-    for form in ("int8", "bf16"):
+    for form in ("int8", "bf16", "fp32"):
         for adamw, gdt, lpdt, threads in ((True, torch.bfloat16, torch.bfloat16, 3),
                                           (False, torch.float32, None, 1)):
             p = torch.randn(n, generator=gen)
@@ -152,7 +155,8 @@ def self_check(native: "Native") -> None:
             if form == "int8":
                 st = [*quantize(m, torch.int8), *quantize(v, torch.uint8)]
             else:
-                st = [m.bfloat16(), v.bfloat16()]
+                dt = torch.bfloat16 if form == "bf16" else torch.float32
+                st = [m.to(dt), v.to(dt)]
             hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
             sc = scalars(hp, 3.0, True, 0.5)
             want = _torch_step(p, g, st, lpdt, sc, adamw)
@@ -187,6 +191,8 @@ class Native:
         lib.zp_adam_bf16.restype = ctypes.c_int
         lib.zp_adam_bf16.argtypes = [ctypes.c_int64, _c_p, _c_p, ctypes.c_int, _c_p, _c_p, _c_p, ctypes.c_int, _c_p,
                                      ctypes.c_int, ctypes.c_int]
+        lib.zp_adam_f32.restype = ctypes.c_int
+        lib.zp_adam_f32.argtypes = lib.zp_adam_bf16.argtypes
         lib.zp_q8_encode.restype = ctypes.c_int
         lib.zp_q8_encode.argtypes = ([ctypes.c_int64, _c_p, _c_p, _c_p, ctypes.c_int, _c_p, _c_p,
                                       ctypes.c_int32, ctypes.c_int32])
@@ -200,7 +206,8 @@ class Native:
 
     def step(self, p, g, st, lp, sc: torch.Tensor, adamw: bool, threads: int) -> None:
         """The update of flat contiguous ``p`` (fp32), ``g``, the moments ``st`` = (m int8
-        codes, m absmax, v uint8 codes, v absmax) or (m bf16, v bf16), and ``lp`` (or None),
+        codes, m absmax, v uint8 codes, v absmax), (m bf16, v bf16) or (m fp32, v fp32), and
+        ``lp`` (or None),
         with the scalars ``sc`` (:func:`.cpu_adam_kernels.scalars`), on ``threads`` OpenMP
         threads."""
         n = p.numel()
@@ -212,9 +219,9 @@ class Native:
                   and ma.numel() >= nb and va.numel() >= nb)
         else:
             (mc, vc), ma, va = st, None, None
-            ok = mc.dtype == vc.dtype == torch.bfloat16
+            ok = mc.dtype == vc.dtype and mc.dtype in (torch.bfloat16, torch.float32)
         if not (ok and p.dtype == torch.float32 and sc.dtype == torch.float32 and sc.numel() == 9):
-            raise TypeError("cpu_adam native kernel: fp32 p and scalars, int8 / uint8 codes or bf16 moments")
+            raise TypeError("cpu_adam native kernel: fp32 p and scalars, int8 / uint8 codes, bf16 or fp32 moments")
         if not (g.numel() == mc.numel() == vc.numel() == n and (lp is None or lp.numel() == n)):
             raise ValueError("cpu_adam native kernel: tensor sizes disagree")
         if any(t is not None and not t.is_contiguous() for t in (p, g, mc, ma, vc, va, lp, sc)):
@@ -229,8 +236,10 @@ class Native:
             rc = self.lib.zp_adam_q8(*head, mc.data_ptr(), ma.data_ptr(), vc.data_ptr(), va.data_ptr(), *tail,
                                      ts.data_ptr(), es.data_ptr(), tu.data_ptr(), eu.data_ptr(), LO_KEY,
                                      self.nkeys)
-        else:
+        elif mc.dtype == torch.bfloat16:
             rc = self.lib.zp_adam_bf16(*head, mc.data_ptr(), vc.data_ptr(), *tail)
+        else:
+            rc = self.lib.zp_adam_f32(*head, mc.data_ptr(), vc.data_ptr(), *tail)
         if rc != 0:
             raise RuntimeError(f"cpu_adam native kernel: unsupported dtypes (grad {g.dtype}, lp {lpdt})")
 
@@ -345,7 +354,7 @@ class Loader:
                         native = Native(build())
                         self_check(native)
                         self.native = native
-                        log.info("[zeroplug] cpu_adam: native small-state kernel %s", native.path)
+                        log.info("[zeroplug] cpu_adam: native kernel %s", native.path)
                     except Exception as e:      # no compiler, build error, bad library: said once, by get
                         self.error = f"{type(e).__name__}: {e}"[:2000]
 
@@ -356,9 +365,9 @@ class Loader:
                 raise RuntimeError(f"cpu_adam: native kernel unavailable ({self.error})")
             if not self.warned:
                 self.warned = True
-                log.warning("[zeroplug] cpu_adam: native small-state kernel unavailable (%s); using the "
+                log.warning("[zeroplug] cpu_adam: native kernel unavailable (%s); using the "
                             "compiled or eager path", self.error)
-                warnings.warn(f"cpu_adam: native small-state kernel unavailable ({self.error[:300]}); using "
+                warnings.warn(f"cpu_adam: native kernel unavailable ({self.error[:300]}); using "
                               "the compiled or eager path", RuntimeWarning, stacklevel=3)
         return self.native
 

@@ -1,5 +1,5 @@
-"""cpu_adam's native (C) kernel for small moments (optimizer.state_dtype = "int8" / "bf16"):
-its 8-bit encoder against quantize_ bit for bit, its step against the same update written with
+"""cpu_adam's native (C) kernel (optimizer.state_dtype = "int8" / "bf16", and "fp32" with
+impl="native"): its 8-bit encoder against quantize_ bit for bit, its step against the same update written with
 torch ops (decode or widen, Adam's fp32 math in cpu_adam_kernels' order, quantize_ or round:
 equal bit for bit, every element), against the compiled and eager paths, its build cache, its
 self-check and its fallback."""
@@ -95,7 +95,7 @@ def torch_step(p, g, st, lp, sc, adamw):
     p = pd + (sc[8] * m) / (v.double().sqrt().float() * sc[6] + sc[7])
     out = [p]
     if len(st) == 2:
-        out += [m.bfloat16(), v.bfloat16()]
+        out += [m.to(st[0].dtype), v.to(st[0].dtype)]
     for x, dt in ((m, torch.int8), (v, torch.uint8)) if len(st) == 4 else ():
         codes, absmax = torch.empty(x.numel(), dtype=dt), torch.empty((x.numel() + B - 1) // B)
         quantize_(x, codes, absmax)
@@ -115,24 +115,26 @@ def _case(n, gdt, seed=0, zero_blocks=True, form="int8"):
         v[B:3 * B] = 0
     if form == "bf16":
         return p, g, [m.bfloat16(), v.bfloat16()]
+    if form == "fp32":
+        return p, g, [m, v]
     return p, g, [*quantize(m, torch.int8), *quantize(v, torch.uint8)]
 
 
 @pytest.mark.parametrize("n", [1, B - 1, B, 7 * B + 131, 40 * B])
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("form", ["int8", "bf16"])
+@pytest.mark.parametrize("form", ["int8", "bf16", "fp32"])
 def test_step_equals_torch_ops(kernel, n, adamw, gdt, form):
-    """p, the moments (codes and absmax, or bf16) and the copy equal the torch-op step bit for
-    bit: Adam and AdamW, each gradient dtype, grad_scale != 1, every copy dtype and none, a
-    partial last block, all-zero blocks, several thread counts."""
+    """p, the moments (codes and absmax, bf16 or fp32) and the copy equal the torch-op step bit
+    for bit: Adam and AdamW, each gradient dtype, grad_scale != 1, every copy dtype and none,
+    bias correction on and off, a partial last block, all-zero blocks, several thread counts."""
     if not kernel.supports(gdt, None):
         pytest.skip("compiler without _Float16")
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, adamw=adamw)
-    for lpdt, grad_scale, threads in ((None, 1.0, 1), (torch.bfloat16, 0.5, 2), (torch.float16, 0.25, 3),
-                                      (torch.float32, 2.0, 2)):
+    for lpdt, grad_scale, threads, bc in ((None, 1.0, 1, True), (torch.bfloat16, 0.5, 2, True),
+                                          (torch.float16, 0.25, 3, False), (torch.float32, 2.0, 2, True)):
         p, g, st = _case(n, gdt, form=form)
-        sc = scalars(hp, 3.0, True, grad_scale)
+        sc = scalars(hp, 3.0, bc, grad_scale)
         want = torch_step(p.clone(), g, [t.clone() for t in st], torch.empty(n, dtype=lpdt) if lpdt else None,
                           sc, adamw)
         lp = torch.full((n,), 7.0, dtype=lpdt) if lpdt else None
@@ -144,11 +146,12 @@ def test_step_equals_torch_ops(kernel, n, adamw, gdt, form):
             assert torch.equal(got, exp), (what, lpdt, threads, (got != exp).sum())
 
 
-def test_thread_counts_agree(nat):
+@pytest.mark.parametrize("form", ["int8", "fp32"])
+def test_thread_counts_agree(nat, form):
     n = 100 * B + 5
     outs = []
     for threads in (1, 2, 5):
-        p, g, st = _case(n, torch.bfloat16, seed=3)
+        p, g, st = _case(n, torch.bfloat16, seed=3, form=form)
         lp = torch.empty(n, dtype=torch.bfloat16)
         nat.step(p, g, st, lp, scalars(dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
                                              adamw=True), 1.0, True, 1.0), True, threads)
@@ -310,3 +313,130 @@ def test_step_releases_the_gil(nat):
     finally:
         sys.setswitchinterval(interval)
     assert min(during) > 100, during
+
+
+# --------------------------------------------------------------------------- fp32 moments
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp32_states_through_cpu_adam_equal_torch_ops(nat, adamw_mode, bias_correction, gdt):
+    """CPUAdam(impl="native") with fp32 moments: each step's p, m, v and copy equal the torch-op
+    update with the step's scalars bit for bit (odd size; grad_scale != 1; a whole copy, a copy
+    in pieces, none; 1 and 3 threads)."""
+    if not nat.supports(gdt, torch.float16):
+        pytest.skip("compiler without _Float16")
+    n = 9 * B + 77
+    gen = torch.Generator().manual_seed(1)
+    p = torch.randn(n, generator=gen)
+    opt = CPUAdam([p], impl="native", adamw_mode=adamw_mode, bias_correction=bias_correction, **HP)
+    assert opt.implementation(gdt, torch.bfloat16, n, 0.5) == "native"
+    hp = dict(lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], weight_decay=HP["weight_decay"],
+              eps=HP["eps"], adamw=adamw_mode)
+    ref = [p.clone(), torch.zeros(n), torch.zeros(n)]
+    for step, (lp, gs, threads) in enumerate(((torch.empty(n, dtype=torch.bfloat16), 0.5, 3),
+                                              ([torch.empty(1000, dtype=torch.float16),
+                                                torch.empty(n - 1000, dtype=torch.float16)], 2.0, 1),
+                                              (None, 1.0, None)), start=1):
+        g = (torch.randn(n, generator=gen) * 3).to(gdt)
+        opt.step_param(p, grad=g, lp_out=lp, grad_multiplier=gs, threads=threads)
+        lpw = torch.cat(lp) if isinstance(lp, list) else lp
+        want = torch_step(ref[0], g, ref[1:], lpw, scalars(hp, float(step), bias_correction, gs), adamw_mode)
+        ref = want[:3]
+        st = opt.state[p]
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32
+        for got, exp, what in zip((p, st["exp_avg"], st["exp_avg_sq"], lpw), want, ("p", "m", "v", "lp")):
+            if exp is not None:
+                assert torch.equal(got, exp), (step, what, (got != exp).sum())
+
+
+@pytest.mark.parametrize("adamw_mode,old", [(True, "eager"), (False, "eager"), (True, "compile")])
+def test_fp32_states_native_against_the_old_paths(adamw_mode, old):
+    """impl="native" with fp32 moments against the eager and compiled kernels, from the same
+    state, several steps of the offload tier's call (bf16 gradient, grad_scale, bf16 copy): the
+    same master and moments to fp32 rounding, the copies equal but for rare rounding-boundary
+    flips."""
+    n = (1 << 16) + 3 * B + 17
+    torch.manual_seed(0)
+    p0 = torch.randn(n)
+    ps = {impl: p0.clone() for impl in ("native", old)}
+    opts = {impl: CPUAdam([ps[impl]], impl=impl, adamw_mode=adamw_mode, **HP) for impl in ps}
+    assert opts["native"].implementation(torch.bfloat16, torch.bfloat16, n, 0.5) == "native"
+    assert opts[old].implementation(torch.bfloat16, torch.bfloat16, n, 0.5) == old
+    for step in range(3):
+        g = torch.randn(n).bfloat16()
+        lps = {}
+        for impl, opt in opts.items():
+            lps[impl] = torch.empty(n, dtype=torch.bfloat16)
+            opt.step_param(ps[impl], grad=g, lp_out=lps[impl], grad_multiplier=0.5)
+        torch.testing.assert_close(ps["native"], ps[old], rtol=1e-5, atol=1e-6)
+        assert (lps["native"] != lps[old]).float().mean() < 1e-3
+        for a, b in zip(_opt_state(opts["native"], ps["native"]), _opt_state(opts[old], ps[old])):
+            assert a.dtype == b.dtype == torch.float32
+            # a few ulps of the typical value; a first moment that cancels to near 0 differs by
+            # more, relative to itself (ATen's fused step lerps)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        for a, b in zip(_opt_state(opts[old], ps[old]), _opt_state(opts["native"], ps["native"])):
+            a.copy_(b)
+        ps[old].copy_(ps["native"])
+
+
+def test_fp32_states_take_the_native_kernel_only_when_asked(monkeypatch):
+    """auto keeps fp32 moments on the compiled / eager paths (and warms the compiled variants
+    up); impl="native" or ZEROPLUG_CPU_ADAM_IMPL=native steps them natively (no compiled
+    variant to warm up) and its failures are errors."""
+    n = 1 << 17
+    auto = CPUAdam([torch.zeros(n)], impl="auto")
+    assert auto.implementation(torch.float32, None, n, 1.0) == "eager"
+    assert auto.kernel_variants([torch.bfloat16], torch.bfloat16) == [(True, torch.bfloat16, torch.bfloat16)]
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "native")
+    env = CPUAdam([torch.zeros(n)])
+    assert env.impl == "native" and env.state_dtype == "fp32"
+    assert env.implementation(torch.float32, None, n, 1.0) == "native"
+    assert env.implementation(torch.bfloat16, torch.bfloat16, 8, 0.5) == "native"      # every size
+    assert env.kernel_variants([torch.bfloat16], torch.bfloat16) == []
+    loader = cpu_adam_native.Loader()
+    loader.error = "RuntimeError: no C compiler found"
+    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.NATIVE", loader)
+    p = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="native kernel unavailable"):
+        CPUAdam([p], impl="native").step_param(p, grad=torch.ones(8))
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_engine_with_native_fp32_states_matches_the_default(monkeypatch, prec):
+    """Stage 3 with the optimizer offloaded to the CPU (cpu_adam, fp32 moments; clipping makes
+    the gradient multiplier != 1; bf16: bf16 gradients and the model-dtype copy in the same
+    pass), a few steps with ZEROPLUG_CPU_ADAM_IMPL=native against the default path: the native
+    kernel steps every sub-group, and losses and weights agree to fp32 rounding."""
+    from tests.support.toy import ToyNet, engine_losses
+    cfg = {"zero": {"plugin": "stage3", "reduce_bucket_size": 500, "sub_group_size": 700},
+           "precision": {"plugin": prec}, "optimizer": {"plugin": "cpu_adam", "lr": 1e-2, "weight_decay": 0.01},
+           "offload": {"optimizer": {"plugin": "cpu"}},
+           "batch": {"micro_batch_size": 8, "gradient_clipping": 0.5}, "monitor": {"plugin": "none"}}
+    calls = []
+    loaded = cpu_adam_native.LOADER.get(strict=True)    # built and self-checked: the steps' kernel
+    real = loaded.step
+
+    def counted(p, g, st, lp, sc, adamw, threads):
+        calls.append((g.dtype, None if lp is None else lp.dtype, st[0].dtype))
+        return real(p, g, st, lp, sc, adamw, threads)
+    monkeypatch.setattr(loaded, "step", counted)
+    monkeypatch.delenv("ZEROPLUG_CPU_ADAM_IMPL", raising=False)
+    l0, e0 = engine_losses(ToyNet, 4, 8, cfg)
+    assert e0.optimizer.impl == "auto" and calls == []
+    sd0 = e0.consolidated_state_dict()
+    e0.close()
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", "native")
+    l1, e1 = engine_losses(ToyNet, 4, 8, cfg)
+    assert e1.optimizer.impl == "native"
+    groups = len(e1.optimizer.param_groups)
+    assert groups > 1 and len(calls) == 4 * groups
+    assert {c[2] for c in calls} == {torch.float32}
+    if prec == "bf16":
+        assert {c[:2] for c in calls} == {(torch.bfloat16, torch.bfloat16)}
+    sd1 = e1.consolidated_state_dict()
+    e1.close()
+    assert max(abs(a - b) / abs(a) for a, b in zip(l0, l1)) <= (1e-6 if prec == "fp32" else 2e-3)
+    for k in sd0:
+        torch.testing.assert_close(sd1[k].float(), sd0[k].float(), rtol=1e-5,
+                                   atol=1e-6 if prec == "fp32" else 2e-2, msg=k)
