@@ -270,8 +270,9 @@ def calibrate(counts, barrier, grad_dtype=torch.bfloat16, lp_dtype=torch.bfloat1
 
 
 def compiled_kernel_expected() -> bool:
-    """Whether the steps will run cpu_adam's compiled kernel (a compiler is there and
-    ``ZEROPLUG_CPU_ADAM_IMPL`` does not ask for the eager one)."""
+    """Whether the steps will run a single-pass kernel: cpu_adam's compiled one, or its native
+    one where ``ZEROPLUG_CPU_ADAM_IMPL=native`` asks (a compiler is there and the variable does
+    not ask for the eager path)."""
     from .cpu_adam import CPUAdam
     from .cpu_adam_kernels import compiler_missing
     try:
