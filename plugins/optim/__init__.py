@@ -149,6 +149,8 @@ class CPUAdam(OptimizerFactory):
         return mode
 
     def begin(self, state_device):
+        from .cpu_adam import native_steps
+        from .cpu_adam_native import LOADER as NATIVE
         from .cpu_adam_warmup import WarmUp
         from .cpu_plan import start
         # Note: before the warm-up thread starts and before the tiers allocate host buffers
@@ -157,7 +159,11 @@ class CPUAdam(OptimizerFactory):
         mode = self.options.while_building
         if mode == "auto":
             mode = "wait" if self.run.device.type == "cpu" else "eager"
-        self.warm_up = WarmUp(announce=self.run.rank == 0, eager_while_building=mode == "eager").start()
+        native = native_steps(self.options.state_dtype)
+        if native:
+            NATIVE.start()      # built while the stage allocates, not in the first step
+        self.warm_up = WarmUp(announce=self.run.rank == 0, eager_while_building=mode == "eager",
+                              compiled=not native).start()
 
     def build(self, params, device):
         from .cpu_adam import CPUAdam as Impl

@@ -52,7 +52,7 @@ from .cpu_adam_native import LOADER as NATIVE
 from .cpu_adam_kernels import STATE_KINDS, compile_status, compiled_call, eager_small_states, eager_update, scalars
 from zeroplug.quantized_states import ABSMAX, BLOCK, dequantize, empty_state, is_codes, quantize
 
-__all__ = ["CPUAdam", "compile_status"]
+__all__ = ["CPUAdam", "compile_status", "native_steps", "resolve_impl"]
 
 _IMPL_ENV = "ZEROPLUG_CPU_ADAM_IMPL"
 _IMPLS = ("auto", "compile", "eager", "native")
@@ -64,6 +64,28 @@ _LP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the signed table and uint8 codes of the unsigned one (zeroplug.quantized_states).
 _CODES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def resolve_impl(impl: str | None = None) -> str:
+    """The implementation ``CPUAdam(impl=impl)`` takes: ``impl``, else ``ZEROPLUG_CPU_ADAM_IMPL``,
+    else "auto"."""
+    out = (impl or os.environ.get(_IMPL_ENV) or "auto").lower()
+    if out not in _IMPLS:
+        raise ValueError(f"cpu_adam impl must be one of {_IMPLS}, got {out!r}")
+    return out
+
+
+def native_steps(state_dtype: str, impl: str | None = None) -> bool:
+    """Whether ``CPUAdam(impl=impl, state_dtype=state_dtype)`` steps with the native kernel,
+    where it is available: int8 or bf16 moments unless ``impl`` is "compile" / "eager", fp32
+    moments with ``impl="native"``.
+
+    Note: fp32 moments stay on the compiled / eager paths under ``auto`` until the native
+    kernel's fp32 step is measured against the compiled one on the GPU machines' CPUs."""
+    impl = resolve_impl(impl)
+    if state_dtype == "fp32":
+        return impl == "native"
+    return impl in ("auto", "native")
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -105,10 +127,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"Invalid betas: {betas}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        impl = (impl or os.environ.get(_IMPL_ENV) or "auto").lower()
-        if impl not in _IMPLS:
-            raise ValueError(f"cpu_adam impl must be one of {_IMPLS}, got {impl!r}")
-        self.impl = impl
+        self.impl = impl = resolve_impl(impl)
         if state_dtype not in STATE_KINDS:
             raise ValueError(f"cpu_adam state_dtype must be one of {STATE_KINDS}, got {state_dtype!r}")
         # how Adam's moments are held: fp32, bf16, or block-quantised 8-bit codes + per-block absmax
@@ -219,14 +238,8 @@ class CPUAdam(torch.optim.Optimizer):
                 state[key] = cur.to(dt, memory_format=torch.contiguous_format)
 
     def _native_states(self) -> bool:
-        """Whether steps take the native kernel, where it is available: int8 or bf16 moments
-        unless ``impl`` is "compile" / "eager", fp32 moments with ``impl="native"``.
-
-        Note: fp32 moments stay on the compiled / eager paths under ``auto`` until the native
-        kernel's fp32 step is measured against the compiled one on the GPU machines' CPUs."""
-        if self.state_dtype == "fp32":
-            return self.impl == "native"
-        return self.impl in ("auto", "native")
+        """Whether steps take the native kernel, where it is available (:func:`native_steps`)."""
+        return native_steps(self.state_dtype, self.impl)
 
     def _native(self, grad_dtype, lp_dtype):
         """The native kernel for a step with these dtypes, or None (compiled / eager)."""

@@ -183,11 +183,15 @@ class WarmUp:
     ``start()`` begins the work that needs no optimizer; ``build(optimizer, keys, counts)``
     names the variants (or pass them to the constructor); ``finish()`` ends ``initialize``.
     ``eager_while_building``: a first build runs in a child process that outlives this one
-    (the steps use the eager kernel meanwhile), and this process loads what it built."""
+    (the steps use the eager kernel meanwhile), and this process loads what it built.
+    ``compiled``: whether the steps are expected to take the compiled kernel; where they take
+    the native one instead (False), the compiler's imports and the vector-ISA checks wait until
+    a variant is named (none, unless the native kernel is unavailable): on a fresh machine
+    those checks run for about a minute beside the first steps, on the cores they step on."""
 
     def __init__(self, optimizer=None, keys=(), thread_counts=(None,), announce: bool = True,
-                 eager_while_building: bool = False):
-        self.announce, self.eager_while_building = announce, eager_while_building
+                 eager_while_building: bool = False, compiled: bool = True):
+        self.announce, self.eager_while_building, self.compiled = announce, eager_while_building, compiled
         self.done = threading.Event()
         self.stats: dict = {}
         self.error: str | None = None
@@ -275,6 +279,20 @@ class WarmUp:
             log.info("[zeroplug] cpu_adam: initialize waited %.1f s for the kernel (%s)", time.perf_counter() - t0,
                      "loaded from the cache" if cached else "built: the first run on this machine")
 
+    def _prepare(self, lock_path: str) -> float:
+        """Import the compiler's modules and answer the machine's vector-ISA checks (they need
+        no variant: once per machine, under the lock, so that a rank that waited finds the
+        answers); the seconds waited for the lock."""
+        _import_compiler()
+        lock, waited = wait_lock(lock_path, BUILDING if self.announce else "")
+        try:
+            kernels.remember_isa_checks(os.path.join(self.cache_dir, ISA_FILE))
+            _pick_vec_isa()
+        finally:
+            if lock is not None:
+                lock.release()
+        return waited
+
     def _run(self) -> None:
         me = threading.get_ident()
         kernels.COMPILED.warm_up_threads.add(me)
@@ -288,19 +306,13 @@ class WarmUp:
                 self._located.set()
             if warning and self.announce:
                 log.warning("[zeroplug] %s", warning)
-            _import_compiler()
-            # the machine's vector-ISA checks need no variant: answered (once per machine, under
-            # the lock, so that a rank that waited finds the answers) while the states are set up
             lock_path = os.path.join(self.cache_dir, LOCK_NAME)
-            lock, waited = wait_lock(lock_path, BUILDING if self.announce else "")
-            kernels.remember_isa_checks(os.path.join(self.cache_dir, ISA_FILE))
-            _pick_vec_isa()
-            if lock is not None:
-                lock.release()
-                lock = None
+            waited = self._prepare(lock_path) if self.compiled else 0.0
             self._named.wait()      # (forever if initialize fails first: an idle daemon thread)
             if not self.keys:
                 return
+            if not self.compiled:
+                waited = self._prepare(lock_path)
             if self.child is not None:
                 self.child.wait()   # the build, elsewhere; what follows loads it
                 if self._exiting:

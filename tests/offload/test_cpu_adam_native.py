@@ -440,3 +440,33 @@ def test_engine_with_native_fp32_states_matches_the_default(monkeypatch, prec):
     for k in sd0:
         torch.testing.assert_close(sd1[k].float(), sd0[k].float(), rtol=1e-5,
                                    atol=1e-6 if prec == "fp32" else 2e-2, msg=k)
+
+
+@pytest.mark.parametrize("impl,checks", [("native", False), ("auto", True)])
+def test_native_fp32_run_skips_the_compiler_warm_up(monkeypatch, impl, checks):
+    """With ZEROPLUG_CPU_ADAM_IMPL=native (fp32 states) initialize's warm-up neither imports
+    inductor's compiler nor runs its vector-ISA checks (a minute beside the first steps on a
+    fresh machine) and names no compiled variant; under auto it prepares them as before."""
+    import zeroplug
+    from zeroplug.plugins.optim import cpu_adam_warmup as cw
+    monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", impl)
+    prepared, started = [], []
+    monkeypatch.setattr(cw, "_pick_vec_isa", lambda: prepared.append("isa"))
+    monkeypatch.setattr(cw, "_import_compiler", lambda: prepared.append("import"))
+    real_start = cw.WarmUp.start
+    monkeypatch.setattr(cw.WarmUp, "start", lambda self: (started.append(self), real_start(self))[1])
+    engine = zeroplug.initialize(torch.nn.Linear(64, 64), {
+        "zero": {"plugin": "stage2"}, "optimizer": {"plugin": "cpu_adam"},
+        "offload": {"optimizer": {"plugin": "cpu"}}, "monitor": {"plugin": "none"}})
+    try:
+        (w,) = started
+        assert w.wait(120) and w.error is None and w.keys == []
+        assert w.compiled == checks
+        assert prepared == (["import", "isa"] if checks else [])
+        assert engine.optimizer.impl == impl
+        x = torch.randn(4, 64)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    finally:
+        engine.close()
