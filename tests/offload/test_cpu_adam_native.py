@@ -470,3 +470,20 @@ def test_native_fp32_run_skips_the_compiler_warm_up(monkeypatch, impl, checks):
         engine.step()
     finally:
         engine.close()
+
+
+def test_thread_counts_reach_the_native_fp32_step(monkeypatch):
+    """The tiers' step_group(threads=...) (the overlapped step's count) and the optimizer's own
+    count (the cpu plan's) reach the native kernel as they reach the compiled one."""
+    loaded = cpu_adam_native.LOADER.get(strict=True)
+    seen = []
+    real = loaded.step
+    monkeypatch.setattr(loaded, "step", lambda *a: (seen.append(a[-1]), real(*a))[1])
+    p = torch.randn(3 * B + 1)
+    p.grad = torch.randn(3 * B + 1)
+    opt = CPUAdam([p], impl="native", threads=3, **HP)
+    opt.step_group(0)
+    opt.step_group(0, threads=1)
+    opt.step_param(p, grad=torch.randn(3 * B + 1).bfloat16(), lp_out=torch.empty(3 * B + 1, dtype=torch.bfloat16),
+                   threads=2)
+    assert seen == [3, 1, 2]
