@@ -357,6 +357,22 @@ static int check_dtypes(int gdt, int lpdt) {
     return 0;
 }
 
+/* The body every entry point shares: check the dtypes, then step the blocks of STATE (the
+ * names ZP_G's loops read must be in scope: p, g, mc, ma, vc, va, lp, sc, qs, qu). */
+#define ZP_STEP(STATE)                                                                                      \
+    do {                                                                                                    \
+        if (check_dtypes(gdt, lpdt)) return -1;                                                             \
+        if (n <= 0) return 0;                                                                               \
+        if (threads < 1) threads = 1;                                                                       \
+        const int64_t nb = (n + BLOCK - 1) / BLOCK;                                                         \
+        if (adamw) {                                                                                        \
+            ZP_G(STATE, 1);                                                                                 \
+        } else {                                                                                            \
+            ZP_G(STATE, 0);                                                                                 \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    } while (0)
+
 /* The step of n elements (the state's first element starts block 0). p: fp32; g: gdt;
  * mc: int8 codes (signed table), ma: fp32 per block; vc: uint8 codes (unsigned table), va;
  * lp: lpdt or DT_NONE (NULL); sc: the 9 scalars of cpu_adam_kernels.scalars(); tables: for
@@ -365,55 +381,28 @@ static int check_dtypes(int gdt, int lpdt) {
 int zp_adam_q8(int64_t n, float *p, const void *g, int gdt, int8_t *mc8, float *ma, uint8_t *vc, float *va,
                void *lp, int lpdt, const float *sc, int adamw, int threads, const float *table_s,
                const uint32_t *enc_s, const float *table_u, const uint32_t *enc_u, int32_t lo_key, int32_t nkeys) {
-    if (check_dtypes(gdt, lpdt)) return -1;
-    if (n <= 0) return 0;
-    if (threads < 1) threads = 1;
     void *mc = (void *)mc8;
     const qtab_t tab_s = {table_s, enc_s, lo_key, nkeys}, tab_u = {table_u, enc_u, lo_key, nkeys};
     const qtab_t *qs = &tab_s, *qu = &tab_u;
-    const int64_t nb = (n + BLOCK - 1) / BLOCK;
-    if (adamw) {
-        ZP_G(ST_Q8, 1);
-    } else {
-        ZP_G(ST_Q8, 0);
-    }
-    return 0;
+    ZP_STEP(ST_Q8);
 }
 
 /* The same step with bf16 moments m and v (n elements each; rounded to nearest even on the
  * store, as torch's .to(bfloat16)). Returns 0, or -1 for an unsupported dtype. */
 int zp_adam_bf16(int64_t n, float *p, const void *g, int gdt, uint16_t *mc, uint16_t *vc, void *lp, int lpdt,
                  const float *sc, int adamw, int threads) {
-    if (check_dtypes(gdt, lpdt)) return -1;
-    if (n <= 0) return 0;
-    if (threads < 1) threads = 1;
     float *ma = NULL, *va = NULL;
     const qtab_t *qs = NULL, *qu = NULL;
-    const int64_t nb = (n + BLOCK - 1) / BLOCK;
-    if (adamw) {
-        ZP_G(ST_BF16, 1);
-    } else {
-        ZP_G(ST_BF16, 0);
-    }
-    return 0;
+    ZP_STEP(ST_BF16);
 }
 
 /* The same step with fp32 moments m and v (n elements each, updated in place). Returns 0, or -1
  * for an unsupported dtype. */
 int zp_adam_f32(int64_t n, float *p, const void *g, int gdt, float *mc, float *vc, void *lp, int lpdt,
                 const float *sc, int adamw, int threads) {
-    if (check_dtypes(gdt, lpdt)) return -1;
-    if (n <= 0) return 0;
-    if (threads < 1) threads = 1;
     float *ma = NULL, *va = NULL;
     const qtab_t *qs = NULL, *qu = NULL;
-    const int64_t nb = (n + BLOCK - 1) / BLOCK;
-    if (adamw) {
-        ZP_G(ST_F32, 1);
-    } else {
-        ZP_G(ST_F32, 0);
-    }
-    return 0;
+    ZP_STEP(ST_F32);
 }
 
 /* The codes and absmax quantize_ gives n fp32 values (x is not changed): the encoder
