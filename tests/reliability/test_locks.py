@@ -128,12 +128,30 @@ def test_second_run_on_a_checkpoint_dir_is_refused(tmp_path):
     assert not (ck / ".zeroplug.lock").exists()
 
 
+GATED = textwrap.dedent("""
+    import os, sys, time
+    from zeroplug.cli import main
+    print("at the gate", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.002)
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
 def test_two_runs_started_together_one_is_refused(tmp_path):
     """Both saving every step from the first: one owns the directory, the other is refused
     before it trains; the owner's checkpoints all verify."""
     ck = tmp_path / "ck"
-    args = [*CLI, "--steps", "4", f"--checkpoint.dir={ck}", "--checkpoint.every_n_steps=1"]
+    go = tmp_path / "go"
+    # Note: both processes import everything, then wait at a gate the test opens once both
+    # are there. Without it a loaded machine can start the second only after the first has
+    # finished its four steps and released the directory, and then both rightly succeed.
+    args = [sys.executable, "-c", GATED, str(go), *CLI[3:], "--steps", "4",
+            f"--checkpoint.dir={ck}", "--checkpoint.every_n_steps=1"]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "at the gate", p.stderr.read()
+    go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 2], outs
