@@ -23,7 +23,8 @@ SURFACE: list[tuple[str, str, str, str]] = [
     ("deepspeed.init_distributed", "zeroplug.launch.start_process_group", SUPPORTED,
      "starts the group from torchrun's variables (`dist_backend` or the device's: nccl on CUDA, gloo "
      "else; one rank started by a launcher gets a group of one, as DeepSpeed starts it); one process "
-     "without a launcher needs none: nothing happens"),
+     "without a launcher needs none: nothing happens. The default gloo group (started here or by "
+     "the script) is destroyed when the process exits: torch aborts some gloo processes that exit with it alive"),
     ("deepspeed.DeepSpeedEngine", "zeroplug.deepspeed.DeepSpeedEngine", SUPPORTED,
      "an `nn.Module` holding zeroplug's Engine (`zeroplug_engine`); the model is its child `module`; "
      "attributes neither has fall through to the model"),

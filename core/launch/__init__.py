@@ -7,6 +7,7 @@ Note: without it every rank would train alone on its own data with no error; Dee
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -45,11 +46,13 @@ def start_process_group(device_type: str | None = None, backend: str | None = No
                         announce: bool = True, single: bool = False) -> bool:
     """Start the default process group when the launcher's variables say WORLD_SIZE > 1 and
     none is started (``single``: also a group of one rank when a launcher started one
-    process, as ``deepspeed.init_distributed`` does); True when distributed. ``device_type``: the training device's type
+    process, as ``deepspeed.init_distributed`` does); True when distributed. A default gloo
+    group, started here or before, is destroyed when the process exits. ``device_type``: the training device's type
     ("cuda" picks nccl, anything else gloo) when ``backend`` is not given; None: cuda when
     available. A group already started is kept as it is. Raises :class:`ZeroplugError` (one
     line) when the variables are incomplete or the group cannot start."""
     if dist.is_available() and dist.is_initialized():
+        _destroy_at_exit()
         return dist.get_world_size() > 1
     world = launched_world_size()
     if world < 1 or (world == 1 and not (single and all(os.environ.get(k) for k in LAUNCHER_VARS))):
@@ -88,7 +91,33 @@ def start_process_group(device_type: str | None = None, backend: str | None = No
         raise ZeroplugError(f"could not start the {backend} process group of {world} ranks "
                             f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT="
                             f"{os.environ.get('MASTER_PORT')}): {first}") from None
+    _destroy_at_exit()
     if announce and dist.get_rank() == 0 and world > 1:
         log.warning("[zeroplug] started the %s process group of %d ranks from the launcher's "
                     "environment (torch.distributed.init_process_group was not called)", backend, world)
     return world > 1
+
+
+_DESTROY_AT_EXIT: set[int] = set()     # the groups an exit handler is registered for
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default gloo group zeroplug runs on (started here or by the script) when
+    the process exits, unless the script destroyed it first.
+
+    Note: a process that exits with a gloo group alive aborts in about one run in five
+    ("terminate called without an active exception", exit -6, after the script's work is
+    done: torch's c10d tears the group down during interpreter finalization), and torchrun
+    then reports the job failed. Scripts written for DeepSpeed never destroy the group that
+    its ``initialize`` started, nor do the Trainer's and Lightning's loops theirs. NCCL groups
+    are left as they are (torch only warns for them, and a rank that exits after an error
+    must not wait there for ranks that are gone)."""
+    group = dist.group.WORLD
+    if group is None or id(group) in _DESTROY_AT_EXIT or dist.get_backend(group) != "gloo":
+        return
+    _DESTROY_AT_EXIT.add(id(group))
+
+    def destroy() -> None:
+        if dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
+    atexit.register(destroy)

@@ -30,6 +30,7 @@ only with ``impl="native"`` (whose failures are errors), as the self-check cover
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -341,6 +342,13 @@ class Loader:
         self.native: Native | None = None
         self.error: str | None = None
         self.warned = False
+        self.thread: threading.Thread | None = None
+        # Note: the self-check runs torch ops; a daemon thread inside them when the interpreter
+        # ends aborts the process ("terminate called without an active exception") after its
+        # work is done. At exit a check not begun is skipped and one under way is waited for.
+        self.phase = threading.Lock()
+        self.exiting = False
+        self.checking = False
 
     def disabled(self) -> bool:
         return self.error is not None
@@ -352,7 +360,14 @@ class Loader:
                 if self.native is None and self.error is None:
                     try:
                         native = Native(build())
-                        self_check(native)
+                        with self.phase:
+                            if self.exiting:
+                                return
+                            self.checking = True
+                        try:
+                            self_check(native)
+                        finally:
+                            self.checking = False
                         self.native = native
                         log.info("[zeroplug] cpu_adam: native kernel %s", native.path)
                     except Exception as e:      # no compiler, build error, bad library: said once, by get
@@ -379,7 +394,17 @@ class Loader:
     def start(self) -> None:
         """Build on a background thread now, so that the first step finds it ready."""
         if self.native is None and self.error is None and not self.lock.locked():
-            threading.Thread(target=self.load, name="zeroplug-native-build", daemon=True).start()
+            if self.thread is None:
+                atexit.register(self._at_exit)
+            self.thread = threading.Thread(target=self.load, name="zeroplug-native-build", daemon=True)
+            self.thread.start()
+
+    def _at_exit(self) -> None:
+        with self.phase:
+            self.exiting = True
+            checking = self.checking
+        if checking and self.thread is not None:
+            self.thread.join(timeout=60.0)
 
 
 LOADER = Loader()

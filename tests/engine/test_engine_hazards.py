@@ -153,3 +153,34 @@ def test_initialize_under_torchrun_starts_the_process_group(tmp_path):
     # (the ranks share torchrun's stdout: one rank's line may run into the other's)
     lines = sorted(re.findall(r"RESULT rank=\d world=\d backend=\w+ said=\d", out.stdout))
     assert lines == ["RESULT rank=0 world=2 backend=gloo said=1", "RESULT rank=1 world=2 backend=gloo said=0"]
+
+
+AT_EXIT = textwrap.dedent("""
+    import atexit, sys, torch.distributed as dist
+    # registered first, so it runs after zeroplug's exit handler (atexit runs them last-in first-out)
+    atexit.register(lambda: print(f"AT EXIT initialized={dist.is_initialized()}", flush=True))
+    if sys.argv[1] == "zeroplug":
+        from zeroplug.launch import start_process_group
+        start_process_group("cpu", single=True, announce=False)
+    else:
+        dist.init_process_group("gloo")                  # the script's own group
+        if sys.argv[1] == "engine":
+            import zeroplug
+            from tests.support.toy import ToyNet
+            zeroplug.initialize(ToyNet(), {"monitor": {"plugin": "none"}})
+    print(f"STARTED {dist.get_backend()}", flush=True)
+""")
+
+
+@pytest.mark.parametrize("who, alive", [("zeroplug", False), ("engine", False), ("script", True)])
+def test_the_gloo_group_zeroplug_runs_on_is_destroyed_at_exit(who, alive):
+    """torch aborts about one gloo process in five at exit ("terminate called without an
+    active exception") when the group is alive: the group zeroplug started (as DeepSpeed's
+    initialize does, for scripts that never destroy it) or an engine ran on is destroyed
+    before the interpreter ends; a script that never used zeroplug keeps its group (the
+    control: the probe sees a live group)."""
+    env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    out = subprocess.run([sys.executable, "-c", AT_EXIT, who], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "STARTED gloo" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert f"AT EXIT initialized={alive}" in out.stdout, out.stdout

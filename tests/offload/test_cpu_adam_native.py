@@ -286,6 +286,33 @@ def test_self_check_rejects_a_wrong_kernel(nat, monkeypatch):
         cpu_adam_native.self_check(nat)
 
 
+def test_exit_skips_a_self_check_not_begun_and_waits_for_one_under_way(monkeypatch):
+    """The background build's self-check runs torch ops: at exit one not begun is skipped (no
+    torch work starts in a daemon thread while the interpreter ends) and one under way is
+    waited for."""
+    loader = cpu_adam_native.Loader()
+    loader._at_exit()
+    loader.load()
+    assert loader.native is None and loader.error is None
+
+    began, release = threading.Event(), threading.Event()
+    check = cpu_adam_native.self_check
+
+    def slow_check(native):
+        began.set()
+        release.wait(30)
+        check(native)
+    monkeypatch.setattr(cpu_adam_native, "self_check", slow_check)
+    loader = cpu_adam_native.Loader()
+    loader.start()
+    assert began.wait(120)
+    threading.Timer(0.5, release.set).start()
+    t0 = time.perf_counter()
+    loader._at_exit()
+    assert time.perf_counter() - t0 >= 0.4 and not loader.thread.is_alive()
+    assert loader.native is not None
+
+
 def test_step_releases_the_gil(nat):
     """The overlapped step calls the kernel on a worker thread: Python code keeps running on
     the main thread during the call (ctypes releases the GIL for it). With a long switch
