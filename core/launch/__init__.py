@@ -105,7 +105,7 @@ def _destroy_at_exit() -> None:
     """Destroy the default gloo group zeroplug runs on (started here or by the script) when
     the process exits, unless the script destroyed it first.
 
-    Note: a process that exits with a gloo group alive aborts in about one run in five
+    Note: processes that exit with a gloo group alive abort in about one two-rank run in five
     ("terminate called without an active exception", exit -6, after the script's work is
     done: torch's c10d tears the group down during interpreter finalization), and torchrun
     then reports the job failed. Scripts written for DeepSpeed never destroy the group that

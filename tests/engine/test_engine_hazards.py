@@ -174,7 +174,7 @@ AT_EXIT = textwrap.dedent("""
 
 @pytest.mark.parametrize("who, alive", [("zeroplug", False), ("engine", False), ("script", True)])
 def test_the_gloo_group_zeroplug_runs_on_is_destroyed_at_exit(who, alive):
-    """torch aborts about one gloo process in five at exit ("terminate called without an
+    """torch aborts about one two-rank gloo run in five at exit ("terminate called without an
     active exception") when the group is alive: the group zeroplug started (as DeepSpeed's
     initialize does, for scripts that never destroy it) or an engine ran on is destroyed
     before the interpreter ends; a script that never used zeroplug keeps its group (the
