@@ -167,6 +167,36 @@ def _opt_state(opt, p):
     return [st["exp_avg"], st["exp_avg_absmax"], st["exp_avg_sq"], st["exp_avg_sq_absmax"]]
 
 
+SIDE_N = (1 << 16) + 3 * B + 17     # past the compiled kernel's minimum size, a partial last block
+
+
+def _side_by_side(new, old, **kw):
+    """Three offload-tier steps (bf16 gradient, grad_scale 0.5, bf16 copy) of CPUAdam with
+    impl ``new`` and ``old`` from the same state; asserts the masters agree to fp32 rounding
+    and the copies but for rare rounding-boundary flips, yields each step's (new, old) state
+    pairs, then starts the next step of both from the same state (the paths' ulps must not
+    accumulate)."""
+    n = SIDE_N
+    torch.manual_seed(0)
+    p0 = torch.randn(n)
+    ps = {impl: p0.clone() for impl in (new, old)}
+    opts = {impl: CPUAdam([ps[impl]], impl=impl, **kw, **HP) for impl in ps}
+    assert opts[new].implementation(torch.bfloat16, torch.bfloat16, n, 0.5) == "native"
+    yield opts
+    for _ in range(3):
+        g = torch.randn(n).bfloat16()
+        lps = {}
+        for impl, opt in opts.items():
+            lps[impl] = torch.empty(n, dtype=torch.bfloat16)
+            opt.step_param(ps[impl], grad=g, lp_out=lps[impl], grad_multiplier=0.5)
+        torch.testing.assert_close(ps[new], ps[old], rtol=1e-5, atol=1e-6)
+        assert (lps[new] != lps[old]).float().mean() < 1e-3
+        yield list(zip(_opt_state(opts[new], ps[new]), _opt_state(opts[old], ps[old])))
+        for a, b in zip(_opt_state(opts[old], ps[old]), _opt_state(opts[new], ps[new])):
+            a.copy_(b)
+        ps[old].copy_(ps[new])
+
+
 @pytest.mark.parametrize("adamw_mode", [True, False])
 @pytest.mark.parametrize("form,old", [("int8", "eager"), ("int8", "compile"), ("bf16", "eager")])
 def test_native_against_the_old_paths(adamw_mode, old, form):
@@ -178,21 +208,10 @@ def test_native_against_the_old_paths(adamw_mode, old, form):
     Note: bf16 states against the compiled kernel are left to test_optimizer_states (every
     variant compiled in one process counts against dynamo's recompile limit of the one
     kernel function the fp32 and bf16 variants share)."""
-    n = (1 << 16) + 3 * B + 17
-    torch.manual_seed(0)
-    p0 = torch.randn(n)
-    ps = {impl: p0.clone() for impl in ("auto", old)}
-    opts = {impl: CPUAdam([ps[impl]], impl=impl, state_dtype=form, adamw_mode=adamw_mode, **HP) for impl in ps}
-    assert opts["auto"].implementation(torch.bfloat16, torch.bfloat16, n, 0.5) == "native"
-    for step in range(3):
-        g = torch.randn(n).bfloat16()
-        lps = {}
-        for impl, opt in opts.items():
-            lps[impl] = torch.empty(n, dtype=torch.bfloat16)
-            opt.step_param(ps[impl], grad=g, lp_out=lps[impl], grad_multiplier=0.5)
-        torch.testing.assert_close(ps["auto"], ps[old], rtol=1e-5, atol=1e-6)
-        assert (lps["auto"] != lps[old]).float().mean() < 1e-3
-        for a, b in zip(_opt_state(opts["auto"], ps["auto"]), _opt_state(opts[old], ps[old])):
+    steps = _side_by_side("auto", old, state_dtype=form, adamw_mode=adamw_mode)
+    next(steps)
+    for pairs in steps:
+        for a, b in pairs:
             if a.dtype == torch.float32:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
             elif a.dtype == torch.bfloat16:
@@ -203,10 +222,6 @@ def test_native_against_the_old_paths(adamw_mode, old, form):
             else:
                 assert (a != b).float().mean() < 1e-3
                 assert (a.int() - b.int()).abs().max() <= 1
-        # the next step starts both from the same state (the paths' ulps must not accumulate)
-        for a, b in zip(_opt_state(opts[old], ps[old]), _opt_state(opts["auto"], ps["auto"])):
-            a.copy_(b)
-        ps[old].copy_(ps["auto"])
 
 
 def test_impl_env_forces_the_old_path(monkeypatch):
@@ -382,29 +397,15 @@ def test_fp32_states_native_against_the_old_paths(adamw_mode, old):
     state, several steps of the offload tier's call (bf16 gradient, grad_scale, bf16 copy): the
     same master and moments to fp32 rounding, the copies equal but for rare rounding-boundary
     flips."""
-    n = (1 << 16) + 3 * B + 17
-    torch.manual_seed(0)
-    p0 = torch.randn(n)
-    ps = {impl: p0.clone() for impl in ("native", old)}
-    opts = {impl: CPUAdam([ps[impl]], impl=impl, adamw_mode=adamw_mode, **HP) for impl in ps}
-    assert opts["native"].implementation(torch.bfloat16, torch.bfloat16, n, 0.5) == "native"
-    assert opts[old].implementation(torch.bfloat16, torch.bfloat16, n, 0.5) == old
-    for step in range(3):
-        g = torch.randn(n).bfloat16()
-        lps = {}
-        for impl, opt in opts.items():
-            lps[impl] = torch.empty(n, dtype=torch.bfloat16)
-            opt.step_param(ps[impl], grad=g, lp_out=lps[impl], grad_multiplier=0.5)
-        torch.testing.assert_close(ps["native"], ps[old], rtol=1e-5, atol=1e-6)
-        assert (lps["native"] != lps[old]).float().mean() < 1e-3
-        for a, b in zip(_opt_state(opts["native"], ps["native"]), _opt_state(opts[old], ps[old])):
+    steps = _side_by_side("native", old, adamw_mode=adamw_mode)
+    opts = next(steps)
+    assert opts[old].implementation(torch.bfloat16, torch.bfloat16, SIDE_N, 0.5) == old
+    for pairs in steps:
+        for a, b in pairs:
             assert a.dtype == b.dtype == torch.float32
             # a few ulps of the typical value; a first moment that cancels to near 0 differs by
             # more, relative to itself (ATen's fused step lerps)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-        for a, b in zip(_opt_state(opts[old], ps[old]), _opt_state(opts["native"], ps["native"])):
-            a.copy_(b)
-        ps[old].copy_(ps["native"])
 
 
 def test_fp32_states_take_the_native_kernel_only_when_asked(monkeypatch):
