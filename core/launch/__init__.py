@@ -37,6 +37,19 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0") or 0)
 
 
+def local_ranks(env=None) -> int:
+    """Ranks on this host: torchrun's / the launchers' LOCAL_WORLD_SIZE (1 when not set)."""
+    env = os.environ if env is None else env
+    for key in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        try:
+            n = int(str(env.get(key, "")).split("(")[0])
+        except ValueError:
+            continue
+        if n > 0:
+            return n
+    return 1
+
+
 def default_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 

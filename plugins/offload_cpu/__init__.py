@@ -12,6 +12,7 @@ import torch
 from zeroplug import hookimpl
 from zeroplug.errors import ConfigError, HostMemoryError
 from zeroplug.flat import mixed_grad_ok
+from zeroplug.launch import local_ranks
 from zeroplug.observe.memory import GB, host_available_bytes
 from zeroplug.options import opt
 from zeroplug.tiers import (
@@ -232,7 +233,6 @@ class CPUOffload(HostTier):
             # Note: with several ranks on one host the lane costs speed: their streams share
             # the host's memory bandwidth with every rank's CPU step (docs/benchmarks.md,
             # "Two GPUs under torchrun").
-            from zeroplug.plugins.optim.cpu_cores import local_ranks
             alone = local_ranks() == 1
             return AUTO_GPU_STEP_RATIO if self.cuda and self.layout.gathers_per_unit and alone else 0.0
         return float(r)

@@ -149,12 +149,12 @@ class CPUAdam(OptimizerFactory):
         return mode
 
     def begin(self, state_device):
-        from .cpu_adam import native_steps
-        from .cpu_adam_native import LOADER as NATIVE
-        from .cpu_adam_warmup import WarmUp
-        from .cpu_plan import start
+        from .cpu_adam.native import LOADER as NATIVE
+        from .cpu_adam.optimizer import native_steps
+        from .cpu_adam.plan import start
+        from .cpu_adam.warmup import WarmUp
         # Note: before the warm-up thread starts and before the tiers allocate host buffers
-        # (cpu_plan's module doc: first touch places pages on the binding's NUMA node)
+        # (cpu_adam.plan's module doc: first touch places pages on the binding's NUMA node)
         self.binding = start(self.run, self.plan_mode())
         mode = self.options.while_building
         if mode == "auto":
@@ -166,12 +166,12 @@ class CPUAdam(OptimizerFactory):
                               compiled=not native).start()
 
     def build(self, params, device):
-        from .cpu_adam import CPUAdam as Impl
-        from .cpu_plan import finish, say, tier_workers
-        from .cpu_topology import local_rank
+        from .cpu_adam.optimizer import CPUAdam as Impl
+        from .cpu_adam.plan import finish, say, tier_workers
+        from .cpu_adam.topology import local_rank
         o = self.options
         if self.binding is None and self.warm_up is None and self.plan_mode() != "off":
-            from .cpu_plan import start     # built outside initialize
+            from .cpu_adam.plan import start     # built outside initialize
             self.binding = start(self.run, self.plan_mode())
         grads = [p.grad.dtype for g in params for p in (g["params"] if isinstance(g, dict) else [g])
                  if isinstance(p, torch.Tensor) and p.grad is not None]

@@ -27,7 +27,7 @@ def main() -> None:
     a.add_argument("--repeats", type=int, default=9)
     args = a.parse_args()
     ca = load_cpu_adam()
-    kernels = sys.modules[ca.__name__.rsplit(".", 1)[0] + ".cpu_adam_kernels"]
+    kernels = sys.modules[ca.__name__.rsplit(".", 1)[0] + ".kernels"]
     fn = kernels._KERNELS[(True, True)]
     variants = {"default": torch.compile(fn, dynamic=True, fullgraph=True),
                 "cpp_wrapper": torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})}

@@ -43,14 +43,14 @@ BYTES_OFFLOAD = 2 + 12 + 12 + 2
 
 def load_cpu_adam():
     try:
-        from zeroplug.plugins.optim import cpu_adam  # type: ignore
+        from zeroplug.plugins.optim.cpu_adam import optimizer as cpu_adam  # type: ignore
 
         return cpu_adam
     except ImportError:  # load the files as a bare package (optim/__init__.py is not run)
         pkg = types.ModuleType("_zeroplug_optim")
-        pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "plugins" / "optim")]
+        pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "plugins" / "optim" / "cpu_adam")]
         sys.modules[pkg.__name__] = pkg
-        return importlib.import_module("_zeroplug_optim.cpu_adam")
+        return importlib.import_module("_zeroplug_optim.optimizer")
 
 
 def cpu_model() -> str:

@@ -37,8 +37,8 @@ import time
 import torch
 
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
-from zeroplug.plugins.optim import cpu_adam_native
-from zeroplug.plugins.optim.cpu_adam_kernels import compile_status, scalars
+from zeroplug.plugins.optim.cpu_adam import native as cpu_adam_native
+from zeroplug.plugins.optim.cpu_adam.kernels import compile_status, scalars
 from zeroplug.quantized_states import empty_state
 
 
@@ -99,14 +99,14 @@ def main() -> int:
 # Each runs in a fresh interpreter with empty caches; prints the seconds the build took.
 _NATIVE_COLD = """
 import time, torch
-from zeroplug.plugins.optim import cpu_adam_native
+from zeroplug.plugins.optim.cpu_adam import native as cpu_adam_native
 t = time.perf_counter()
 cpu_adam_native.LOADER.get(strict=True)         # build, load, self-check
 print(time.perf_counter() - t)
 """
 _COMPILED_COLD = """
 import sys, time, torch
-from zeroplug.plugins.optim import cpu_adam_kernels
+from zeroplug.plugins.optim.cpu_adam import kernels as cpu_adam_kernels
 t = time.perf_counter()
 for threads in sorted({int(sys.argv[1]), max(1, int(sys.argv[1]) - 1)}, reverse=True):
     cpu_adam_kernels.COMPILED.get((True, torch.bfloat16, torch.bfloat16), strict=True, threads=threads)

@@ -16,15 +16,15 @@ import torch
 
 def _load():
     try:
-        from zeroplug.plugins.optim import cpu_adam, cpu_adam_kernels
+        from zeroplug.plugins.optim.cpu_adam import kernels as cpu_adam_kernels, optimizer as cpu_adam
 
         return cpu_adam, cpu_adam_kernels
     except Exception:  # package not installed / sibling plugin mid-edit: load the files
         pkg = types.ModuleType("_zeroplug_optim")  # a bare package: optim/__init__.py is not run
-        pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "plugins" / "optim")]
+        pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "plugins" / "optim" / "cpu_adam")]
         sys.modules[pkg.__name__] = pkg
-        return (importlib.import_module("_zeroplug_optim.cpu_adam"),
-                importlib.import_module("_zeroplug_optim.cpu_adam_kernels"))
+        return (importlib.import_module("_zeroplug_optim.optimizer"),
+                importlib.import_module("_zeroplug_optim.kernels"))
 
 
 ca, ck = _load()

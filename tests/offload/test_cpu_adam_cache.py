@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from zeroplug.plugins.optim import cpu_adam_kernels as ck
+from zeroplug.plugins.optim.cpu_adam import kernels as ck
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
-from zeroplug.plugins.optim.cpu_adam_warmup import cache_root, use_cache_dir
+from zeroplug.plugins.optim.cpu_adam.cache import cache_root, use_cache_dir
 
 N = (1 << 17) + 7
 
@@ -29,7 +29,7 @@ def counted(isa, code):
     return real_check(isa, code)
 cpu_vec_isa.VecISA.check_build = counted       # inductor's vector-ISA checks, counted
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
-from zeroplug.plugins.optim.cpu_adam_warmup import WarmUp
+from zeroplug.plugins.optim.cpu_adam.warmup import WarmUp
 n = (1 << 17) + 7
 p = torch.zeros(n)
 opt = CPUAdam([p], lr=1e-3, threads=1)
@@ -181,9 +181,9 @@ def test_eager_while_a_first_build_runs(monkeypatch):
 # the variant; prints whether the warm-up was done when finish() returned.
 FINISH = r"""
 import json, torch
-from zeroplug.plugins.optim import cpu_adam_kernels as ck
+from zeroplug.plugins.optim.cpu_adam import kernels as ck
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
-from zeroplug.plugins.optim.cpu_adam_warmup import WarmUp
+from zeroplug.plugins.optim.cpu_adam.warmup import WarmUp
 w = WarmUp(announce=False, eager_while_building=True).start()   # before the optimizer, as in initialize
 p = torch.zeros((1 << 17) + 7)
 opt = CPUAdam([p], lr=1e-3, threads=1)
@@ -227,7 +227,7 @@ def test_engine_starts_the_warm_up_before_the_stage_allocates(monkeypatch):
     CPU-only run ("auto" = wait) returns with it done: no step waits."""
     import zeroplug
     from zeroplug.plugins.offload_cpu.host import HostTier
-    from zeroplug.plugins.optim import cpu_adam_warmup as cw
+    from zeroplug.plugins.optim.cpu_adam import warmup as cw
     order = []
     real_start, real_plan = cw.WarmUp.start, HostTier.plan
     monkeypatch.setattr(cw.WarmUp, "start", lambda self: (order.append("warm-up"), real_start(self))[1])
@@ -247,9 +247,9 @@ EXIT_DURING_LOAD = r"""
 import sys, time
 from pathlib import Path
 import torch
-from zeroplug.plugins.optim import cpu_adam_warmup
+from zeroplug.plugins.optim.cpu_adam import warmup as cpu_adam_warmup
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
-from zeroplug.plugins.optim.cpu_adam_warmup import WarmUp
+from zeroplug.plugins.optim.cpu_adam.warmup import WarmUp
 cpu_adam_warmup._import_compiler = cpu_adam_warmup._pick_vec_isa = lambda: None   # not what this is about
 
 class SlowLoad(CPUAdam):

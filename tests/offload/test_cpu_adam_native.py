@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
-from zeroplug.plugins.optim import cpu_adam_native
+from zeroplug.plugins.optim.cpu_adam import native as cpu_adam_native
 from zeroplug.plugins.optim.cpu_adam import CPUAdam
-from zeroplug.plugins.optim.cpu_adam_kernels import scalars
+from zeroplug.plugins.optim.cpu_adam.kernels import scalars
 from zeroplug.quantized_states import BLOCK, dequantize, midpoints, quantize, quantize_
 
 B = BLOCK
@@ -239,7 +239,7 @@ def test_build_is_cached_privately(tmp_path, monkeypatch):
     build finds the library instead of compiling again."""
     monkeypatch.setenv("ZEROPLUG_CACHE_DIR", str(tmp_path / "cache"))
     from zeroplug.locks import try_lock
-    from zeroplug.plugins.optim.cpu_adam_warmup import cache_root
+    from zeroplug.plugins.optim.cpu_adam.cache import cache_root
     d = os.path.join(cache_root(), cpu_adam_native.SUBDIR)
     os.makedirs(d, mode=0o700)
     held = try_lock(os.path.join(d, cpu_adam_native.LOCK_NAME), mode=0o600)
@@ -269,11 +269,11 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     loader = cpu_adam_native.Loader()
     monkeypatch.setattr(cpu_adam_native, "LOADER", loader)
-    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.NATIVE", loader)
+    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.optimizer.NATIVE", loader)
     with pytest.raises(RuntimeError, match="no C compiler"):
         loader.get(strict=True)
     loader = cpu_adam_native.Loader()
-    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.NATIVE", loader)
+    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.optimizer.NATIVE", loader)
     n = 3 * B + 5
     p = torch.randn(n)
     opt = CPUAdam([p], impl="auto", state_dtype="int8", **HP)
@@ -424,7 +424,7 @@ def test_fp32_states_take_the_native_kernel_only_when_asked(monkeypatch):
     assert env.kernel_variants([torch.bfloat16], torch.bfloat16) == []
     loader = cpu_adam_native.Loader()
     loader.error = "RuntimeError: no C compiler found"
-    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.NATIVE", loader)
+    monkeypatch.setattr("zeroplug.plugins.optim.cpu_adam.optimizer.NATIVE", loader)
     p = torch.zeros(8)
     with pytest.raises(RuntimeError, match="native kernel unavailable"):
         CPUAdam([p], impl="native").step_param(p, grad=torch.ones(8))
@@ -476,7 +476,7 @@ def test_native_fp32_run_skips_the_compiler_warm_up(monkeypatch, impl, checks):
     inductor's compiler nor runs its vector-ISA checks (a minute beside the first steps on a
     fresh machine) and names no compiled variant; under auto it prepares them as before."""
     import zeroplug
-    from zeroplug.plugins.optim import cpu_adam_warmup as cw
+    from zeroplug.plugins.optim.cpu_adam import warmup as cw
     monkeypatch.setenv("ZEROPLUG_CPU_ADAM_IMPL", impl)
     prepared, started = [], []
     monkeypatch.setattr(cw, "_pick_vec_isa", lambda: prepared.append("isa"))

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from zeroplug.plugins.optim import cpu_cores
-from zeroplug.plugins.optim.cpu_cores import (available_cores, cgroup_cpu_limit, choose_threads,
-                                              local_ranks)
+from zeroplug.plugins.optim.cpu_adam import cores as cpu_cores
+from zeroplug.launch import local_ranks
+from zeroplug.plugins.optim.cpu_adam.cores import available_cores, cgroup_cpu_limit, choose_threads
 
 from tests.support.paths import child_env
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from zeroplug.plugins.optim import cpu_plan, cpu_plan_cache
-from zeroplug.plugins.optim.cpu_topology import Topology, format_cpulist, parse_cpulist, split
+from zeroplug.plugins.optim.cpu_adam import plan as cpu_plan, plan_cache as cpu_plan_cache
+from zeroplug.plugins.optim.cpu_adam.topology import Topology, format_cpulist, parse_cpulist, split
 
 from tests.support.paths import child_env
 

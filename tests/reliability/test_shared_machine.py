@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from zeroplug import trust
-from zeroplug.plugins.optim import cpu_adam_warmup as warmup
-from zeroplug.plugins.optim.cpu_adam_warmup import cache_root, use_cache_dir
+from zeroplug.plugins.optim.cpu_adam import warmup
+from zeroplug.plugins.optim.cpu_adam.cache import cache_root, use_cache_dir
 
 from tests.support.shared_users import other_user, shared_tmp  # noqa: F401 - fixtures
 

@@ -1,4 +1,4 @@
-"""The two step implementations of :class:`~.cpu_adam.CPUAdam`, and the building and
+"""The two step implementations of :class:`~.optimizer.CPUAdam`, and the building and
 probing of the compiled one.
 
 ``compile`` (for conversions / lp copies / grad_scale, where it works)
@@ -24,7 +24,7 @@ ops / ``_foreach`` ops per L2-sized chunk, on intra-op threads or on a thread po
 than one kernel over the sub-group (fork/join and dispatch overhead per chunk).
 
 Moments in bf16 or block-quantised 8-bit (``state`` "bf16" / "int8", the last key element;
-int8 steps take the fused C kernel of :mod:`.cpu_adam_native` unless it is unavailable or
+int8 steps take the fused C kernel of :mod:`.native` unless it is unavailable or
 ``impl`` is "compile" / "eager"):
 the compiled kernel loads them, steps in fp32 and stores them rounded, or decodes, steps and
 encodes again each block of 256 elements (:mod:`zeroplug.quantized_states`) in its one pass;
@@ -33,7 +33,7 @@ into fp32 scratch for ATen's fused kernel and narrowing them back. Neither holds
 of a whole state.
 
 This module imports nothing from zeroplug but that state format (which imports only torch),
-nor from :mod:`.cpu_adam`, so that the files can be used on their own.
+nor from :mod:`.optimizer`, so that the files can be used on their own.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class CompiledKernels:
         self.speed: dict[tuple, dict] = {}
         self.errors: dict[tuple, str] = {}
         self.compiler_error: str | None = None  # "no C++ compiler": said once
-        # a background warm-up (cpu_adam_warmup.py): steps wait for it rather than compiling
+        # a background warm-up (warmup.py): steps wait for it rather than compiling
         self.warming: threading.Event | None = None
         self.warm_up_threads: set[int] = set()
         # while a first build runs: steps take the eager kernel instead of waiting (cpu_adam's

@@ -1,10 +1,10 @@
-/* zeroplug's fused CPU-Adam step for block-quantised 8-bit moments (cpu_adam_native.py builds
+/* zeroplug's fused CPU-Adam step for block-quantised 8-bit moments (native.py builds
  * and loads it; the format is zeroplug.quantized_states'), and the same loop for bf16 and fp32
  * moments (zp_adam_bf16, zp_adam_f32).
  *
  * One pass over the state, block by block (256 elements, OpenMP over blocks): decode the
  * block's m and v codes into L1-resident fp32 buffers, apply the Adam(W) update in fp32 with
- * the math and operation order of cpu_adam_kernels._adam_math (compiled with
+ * the math and operation order of kernels._adam_math (compiled with
  * -ffp-contract=off, so every operation rounds as torch's fp32 ops do), take the block's new
  * absmax of m and v, encode them and write p, the codes, the absmax and the optional
  * low-precision copy of p. Each input byte is read once and each output byte written once.
@@ -375,7 +375,7 @@ static int check_dtypes(int gdt, int lpdt) {
 
 /* The step of n elements (the state's first element starts block 0). p: fp32; g: gdt;
  * mc: int8 codes (signed table), ma: fp32 per block; vc: uint8 codes (unsigned table), va;
- * lp: lpdt or DT_NONE (NULL); sc: the 9 scalars of cpu_adam_kernels.scalars(); tables: for
+ * lp: lpdt or DT_NONE (NULL); sc: the 9 scalars of kernels.scalars(); tables: for
  * the signed then the unsigned code, decode values (256 fp32), encode base (int32) and mid
  * (fp32) of 2 * nkeys buckets each. Returns 0, or -1 for an unsupported dtype. */
 int zp_adam_q8(int64_t n, float *p, const void *g, int gdt, int8_t *mc8, float *ma, uint8_t *vc, float *va,

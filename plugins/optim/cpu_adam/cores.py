@@ -7,7 +7,7 @@ does not set it, which is right for a GPU training loop and three times too slow
 offloaded optimizer step that is bound by host memory bandwidth; DeepSpeed's launcher
 binds cores per rank for the same reason. An explicit count (``[optimizer] threads``)
 wins, then the ``ZEROPLUG_CPU_ADAM_THREADS`` environment variable; one above the rank's share
-is clamped, with a warning. This is the rule of ``cpu_plan = "off"``; :mod:`.cpu_plan` binds
+is clamped, with a warning. This is the rule of ``cpu_plan = "off"``; :mod:`.plan` binds
 each rank to its own cores and measures the thread count instead.
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ import math
 import os
 from dataclasses import dataclass
 
-from .cpu_topology import read_text
+from zeroplug.launch import local_ranks
+
+from .topology import read_text
 
 THREADS_ENV = "ZEROPLUG_CPU_ADAM_THREADS"
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -111,19 +113,6 @@ def available_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> 
         # a quota of 2.5 CPUs runs 2 threads flat out; a third would be throttled mid-barrier
         cores = min(cores, max(1, math.floor(quota + 1e-9)))
     return cores
-
-
-def local_ranks(env=None) -> int:
-    """Ranks on this host: torchrun's / the launchers' LOCAL_WORLD_SIZE (1 when not set)."""
-    env = os.environ if env is None else env
-    for key in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
-        try:
-            n = int(str(env.get(key, "")).split("(")[0])
-        except ValueError:
-            continue
-        if n > 0:
-            return n
-    return 1
 
 
 def choose_threads(explicit: int = 0, cores: int | None = None, ranks: int | None = None,

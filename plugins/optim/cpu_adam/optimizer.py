@@ -15,9 +15,9 @@ parameter; done with separate torch ops that would be 4-5 passes over memory.
 Two implementations, picked per call (``impl="auto"``, the default): ``compile``, one
 ``torch.compile`` d kernel over the whole sub-group (for conversions / lp copies /
 multipliers, where it works), or ``eager``, ATen's fused single-pass kernel. Both, and how
-the compiled kernel is built and checked, are in :mod:`.cpu_adam_kernels`. Moments held
+the compiled kernel is built and checked, are in :mod:`.kernels`. Moments held
 as int8 or bf16 (``state_dtype``) take a third, ``native``: our own fused C kernel
-(:mod:`.cpu_adam_native`), at every size; ``impl="native"`` makes its failures errors,
+(:mod:`.native`), at every size; ``impl="native"`` makes its failures errors,
 ``impl="compile"`` (or ``eager``) never uses it. fp32 moments take the native kernel only
 with ``impl="native"`` (``ZEROPLUG_CPU_ADAM_IMPL=native``); ``auto`` keeps them on the
 compiled / eager paths.
@@ -33,8 +33,8 @@ failures errors instead of warnings.
 ``exp_avg_absmax``, ``exp_avg_sq`` uint8 codes and ``exp_avg_sq_absmax``). The step reads and
 writes them in that form; the master stays fp32.
 
-This module and :mod:`.cpu_adam_kernels` import nothing else from zeroplug but that state
-format (and :mod:`.cpu_adam_native`, which finds zeroplug's cache directory), so that the
+This module and :mod:`.kernels` import nothing else from zeroplug but that state
+format (and :mod:`.native`, which finds zeroplug's cache directory), so that the
 files can be used on their own.
 """
 
@@ -47,9 +47,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import cpu_adam_kernels as kernels
-from .cpu_adam_native import LOADER as NATIVE
-from .cpu_adam_kernels import STATE_KINDS, compile_status, compiled_call, eager_small_states, eager_update, scalars
+from . import kernels
+from .native import LOADER as NATIVE
+from .kernels import STATE_KINDS, compile_status, compiled_call, eager_small_states, eager_update, scalars
 from zeroplug.quantized_states import ABSMAX, BLOCK, dequantize, empty_state, is_codes, quantize
 
 __all__ = ["CPUAdam", "compile_status", "native_steps", "resolve_impl"]

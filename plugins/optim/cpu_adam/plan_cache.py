@@ -1,7 +1,7 @@
 """The measured CPU plan, cached per machine, torch version and local rank layout.
 
 One small JSON file per key under ``<zeroplug's cache>/cpu_plan/`` (the directory
-cpu_adam's kernel cache lives under: :func:`.cpu_adam_warmup.cache_root`), named by a hash of
+cpu_adam's kernel cache lives under: :func:`.cache.cache_root`), named by a hash of
 the key, which the file repeats. Each local rank has its own key (its set of cores is part
 of it), so ranks never write the same file. A file is written to an exclusively created
 temporary file and renamed over the old one (:func:`zeroplug.trust.atomic_write`); a file that is not a regular file of this
@@ -16,7 +16,10 @@ import stat
 
 import torch
 
-from .cpu_topology import Topology, cpu_model, format_cpulist
+from zeroplug.trust import atomic_write, make_dirs
+
+from .cache import cache_root
+from .topology import Topology, cpu_model, format_cpulist
 
 FORMAT = 1
 SUBDIR = "cpu_plan"
@@ -25,7 +28,6 @@ MAX_BYTES = 1 << 16
 
 
 def directory() -> str:
-    from .cpu_adam_warmup import cache_root
     return os.path.join(cache_root(), SUBDIR)
 
 
@@ -82,7 +84,6 @@ def load(k: dict, where: str | None = None) -> tuple[dict | None, str | None]:
 
 def store(k: dict, entry: dict, where: str | None = None) -> str | None:
     """Write ``entry`` for key ``k``; a warning when it cannot be written, else None."""
-    from zeroplug.trust import atomic_write, make_dirs
     path = None
     try:
         path = path_for(k, where)

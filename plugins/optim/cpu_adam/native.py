@@ -2,9 +2,9 @@
 bf16 (``"bf16"``) and, where ``impl="native"`` asks, fp32 (``"fp32"``).
 
 The 8-bit format is :mod:`zeroplug.quantized_states` (bitsandbytes' block-wise dynamic-tree
-code). The step is ours: ``cpu_adam_native.c`` decodes a block of 256 elements of m and v, applies
+code). The step is ours: ``native.c`` decodes a block of 256 elements of m and v, applies
 the Adam(W) update in fp32 (the math and operation order of
-:func:`.cpu_adam_kernels.scalars` / ``_adam_math``), takes the block's new absmax, encodes
+:func:`.kernels.scalars` / ``_adam_math``), takes the block's new absmax, encodes
 it and writes p, the codes, the absmax and the optional bf16/fp16/fp32 copy of p, all while
 the block is in L1: one pass, each byte read or written once, no fp32 copy of a state.
 Its codes equal :func:`zeroplug.quantized_states.quantize_` 's (``torch.bucketize`` over the
@@ -13,13 +13,13 @@ scaled value (:func:`encode_tables`): one table load and a compare per element. 
 take the same loop, widened on the load and rounded to nearest even on the store, and fp32
 moments the same loop again, loaded and stored as they are.
 
-Note: the torch.compile'd kernel (cpu_adam_kernels) cannot do this at memory speed:
+Note: the torch.compile'd kernel (kernels.py) cannot do this at memory speed:
 inductor does not vectorise its table loads, and it needs two passes (the absmax, then the
 update) to keep no whole-tensor buffer.
 
 Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native
 -fopenmp``, no torch headers) into ``<zeroplug's cache>/native/`` (the per torch version and
-CPU directory of :func:`.cpu_adam_warmup.cache_root`, created 0700; a directory that another
+CPU directory of :func:`.cache.cache_root`, created 0700; a directory that another
 user could write is not used: a private temporary one is), written to a temporary file and
 renamed, keyed by a hash of the source, the compiler's version and the flags, so that a
 machine builds it once (one process at a time, under a file lock beside it). Loaded with ctypes, which releases the GIL during the call (the
@@ -47,10 +47,14 @@ import torch
 
 from zeroplug.locks import wait_lock
 from zeroplug.quantized_states import BLOCK, dequantize, midpoints, qmap, quantize, quantize_
+from zeroplug.trust import code_dir_problem, make_dirs
+
+from .cache import cache_root
+from .kernels import scalars
 
 log = logging.getLogger("zeroplug")
 
-SOURCE = Path(__file__).with_name("cpu_adam_native.c")
+SOURCE = Path(__file__).with_name("native.c")
 SUBDIR = "native"
 LOCK_NAME = "build.lock"
 ABI = 5
@@ -142,7 +146,6 @@ def self_check(native: "Native") -> None:
 
     Note: the reference takes the IEEE square root (fp64's, rounded), as C's sqrtf; torch's
     vectorised fp32 sqrt may differ in the last bit."""
-    from .cpu_adam_kernels import scalars
     n = 5 * BLOCK + 37
     gen = torch.Generator().manual_seed(0)
     for form in ("int8", "bf16", "fp32"):
@@ -209,7 +212,7 @@ class Native:
         """The update of flat contiguous ``p`` (fp32), ``g``, the moments ``st`` = (m int8
         codes, m absmax, v uint8 codes, v absmax), (m bf16, v bf16) or (m fp32, v fp32), and
         ``lp`` (or None),
-        with the scalars ``sc`` (:func:`.cpu_adam_kernels.scalars`), on ``threads`` OpenMP
+        with the scalars ``sc`` (:func:`.kernels.scalars`), on ``threads`` OpenMP
         threads."""
         n = p.numel()
         nb = (n + BLOCK - 1) // BLOCK
@@ -270,8 +273,6 @@ def _library_name(cc: str, source: bytes, extra: tuple[str, ...]) -> str:
 def _directory() -> tuple[str, str | None]:
     """(the directory to build in, a warning or None): zeroplug's cache where it is private,
     else a private temporary directory."""
-    from zeroplug.trust import code_dir_problem, make_dirs
-    from .cpu_adam_warmup import cache_root
     why = None
     try:
         d = os.path.join(cache_root(), SUBDIR)

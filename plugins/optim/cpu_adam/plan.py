@@ -4,18 +4,18 @@
 
 ``measure`` (the default on a GPU run)
     The local ranks split their affinity set into disjoint sets of whole physical cores
-    (:func:`.cpu_topology.split`: each on the NUMA node of its GPU where the cores allow);
+    (:func:`.topology.split`: each on the NUMA node of its GPU where the cores allow);
     each rank binds every thread of its process to its set, leaves cores for the worker
     threads its offload tiers declare (:func:`tier_workers`: copy threads) and for
     the training loop, and runs its optimizer with the thread count that stepped fastest
     when measured (:func:`calibrate`). The measurement runs on the first run on a machine,
-    all local ranks at once, and is cached (:mod:`.cpu_plan_cache`); later runs read it.
+    all local ranks at once, and is cached (:mod:`.plan_cache`); later runs read it.
 ``bind``
     The same split and binding, no measurement: the optimizer takes every core of the set
     not left to the workers and the loop.
 ``off`` (the default on a CPU-only run)
     No binding: the cores this process may use divided among the local ranks
-    (:func:`.cpu_cores.choose_threads`).
+    (:func:`.cores.choose_threads`).
 
 ``[optimizer] threads`` and ``ZEROPLUG_CPU_ADAM_THREADS`` still set the thread count (the
 binding stays). Each rank prints one line, whatever the log level:
@@ -44,9 +44,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_topology as topo_mod
-from .cpu_cores import THREADS_ENV, cgroup_cpu_limit, choose_threads, local_ranks
-from .cpu_topology import Topology, format_cpulist, split
+from zeroplug.launch import local_ranks
+
+from . import plan_cache
+from . import topology as topo_mod
+from .cores import THREADS_ENV, cgroup_cpu_limit, choose_threads
+from .kernels import compiler_missing
+from .optimizer import CPUAdam
+from .topology import Topology, format_cpulist, split
 
 log = logging.getLogger("zeroplug")
 
@@ -233,7 +238,6 @@ def calibrate(counts, barrier, grad_dtype=torch.bfloat16, lp_dtype=torch.bfloat1
     measured equal to the compiled kernel), so it stops scaling at the same thread count;
     the chunked eager walk does more work per element and would keep scaling longer.
     A run without a compiler steps with that eager walk, so that is what it measures."""
-    from .cpu_adam import CPUAdam
     if single_pass:
         grad_dtype, lp_dtype = torch.float32, None
     n = int(elements or default_elements())
@@ -273,8 +277,6 @@ def compiled_kernel_expected() -> bool:
     """Whether the steps will run a single-pass kernel: cpu_adam's compiled one, or its native
     one where ``ZEROPLUG_CPU_ADAM_IMPL=native`` asks (a compiler is there and the variable does
     not ask for the eager path)."""
-    from .cpu_adam import CPUAdam
-    from .cpu_adam_kernels import compiler_missing
     try:
         if CPUAdam([torch.zeros(1)]).impl == "eager":
             return False
@@ -329,8 +331,7 @@ def start(run, mode: str) -> Binding | None:
 def finish(run, mode: str, binding: Binding | None, explicit: int, workers: dict,
            grad_dtype=torch.bfloat16, lp_dtype=torch.bfloat16, cache=None) -> Plan:
     """This rank's thread count (measured, cached, or set), given to torch."""
-    from . import cpu_plan_cache as cache_mod
-    cache = cache_mod if cache is None else cache
+    cache = plan_cache if cache is None else cache
     asked, option, bad = requested_threads(explicit)
     warnings = [bad] if bad else []
     if binding is None:

@@ -7,14 +7,10 @@ A later process still traces the function (about a second) but loads the kernel 
 running the C++ compiler. Before inductor builds or loads a CPU kernel it checks which
 vector ISAs the machine can use, a slow check in every process; the warm-up keeps
 those answers in ``vector_isa_checks.json`` beside the cache, so they too are found once
-per machine (:func:`.cpu_adam_kernels.remember_isa_checks`). Inductor's default directory
+per machine (:func:`.kernels.remember_isa_checks`). Inductor's default directory
 is under ``/tmp``, which containers and reboots empty; zeroplug points it at
-``~/.cache/zeroplug/torch-<version>/<cpu>/inductor`` (``ZEROPLUG_CACHE_DIR`` moves the
-root; a ``TORCHINDUCTOR_CACHE_DIR`` already set is kept).
-The ``<cpu>`` part names the CPU model and its instruction-set flags, so a home directory
-shared by different machines never hands one a kernel built for another's vector unit.
-A cache directory that another user could write (or that holds their files) is never
-used: inductor would load their code (:func:`use_cache_dir`).
+``<zeroplug's cache>/inductor`` (:mod:`.cache`: per torch version and CPU, never a directory
+another user could write; a ``TORCHINDUCTOR_CACHE_DIR`` already set is kept).
 
 The warm-up runs on a background thread started first thing in ``initialize``: it points
 inductor at the cache, takes the build lock, recalls the ISA answers and imports the
@@ -32,29 +28,26 @@ before load on every rank at once.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import logging
 import os
-import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
 
 import torch
 
-from zeroplug.trust import (ancestors_problem, atomic_write, code_dir_problem, existing_ancestor, make_dirs,
-                            open_append, printable)
+from zeroplug.trust import atomic_write, open_append
 from zeroplug.locks import wait_lock
 
-from . import cpu_adam_kernels as kernels
+from . import kernels
+from .cache import use_cache_dir
+from .optimizer import CPUAdam
 
 log = logging.getLogger("zeroplug")
 
-CACHE_ENV = "ZEROPLUG_CACHE_DIR"
 #: what the build lock's waiting line says another process is doing
 BUILDING = "building the cpu_adam kernel"
 LOCK_NAME = "cpu_adam.lock"
@@ -63,109 +56,6 @@ VARIANTS_FILE = "cpu_adam_variants.json"
 BUILD_LOG = "cpu_adam_build.log"
 #: the longest an exiting process waits for a kernel load or build of its own to end
 EXIT_WAIT_S = 120.0
-
-
-def cpu_tag() -> str:
-    """The CPU model and instruction-set flags, hashed: which kernels this machine can run."""
-    model = flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = value.strip()
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    text = f"{model}|{flags}" if (model or flags) else platform.processor()
-    return f"{platform.machine() or 'cpu'}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-
-
-def cache_root(env=None) -> str:
-    """zeroplug's kernel cache for this torch version and CPU."""
-    env = os.environ if env is None else env
-    base = env.get(CACHE_ENV) or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "zeroplug")
-    return os.path.join(base, f"torch-{torch.__version__}", cpu_tag())
-
-
-def _writable(path: str) -> None:
-    make_dirs(path, 0o700)
-    with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
-        pass
-
-
-def _usable(path: str) -> tuple[str, str | None]:
-    """(the directory to use for ``path``: resolved, created 0700 where missing; why it is not
-    trusted for code, or None). Raises ``OSError`` where it cannot be created or written."""
-    problem = ancestors_problem(existing_ancestor(path))
-    if problem is not None:     # nothing is created below a directory others can change
-        return path, problem
-    _writable(path)
-    real = os.path.realpath(path)
-    return (path if real == os.path.abspath(path) else real), code_dir_problem(real)
-
-
-def use_cache_dir(env=None) -> tuple[str, str | None]:
-    """Point inductor's cache at zeroplug's directory (unless TORCHINDUCTOR_CACHE_DIR is set).
-
-    Returns (the directory the build lock lives in, a warning or None). Note: the setting is
-    process-wide (inductor reads the variable for every compile), so a model compiled with
-    ``torch.compile`` in this process is cached there too. A directory that cannot be written
-    gives a warning and a private temporary one: the run works, and pays the build.
-
-    Note: inductor loads the shared objects it finds in its cache (and unpickles its entries),
-    so a cache directory that another user can write would run their code in this process.
-    One that is not trusted for code (:func:`zeroplug.trust.code_dir_problem`: owned by
-    another user, writable by others, below such a directory, or holding files of another
-    user) is not used: the default ``~/.cache/zeroplug`` (created 0700) is, or failing that
-    a private temporary directory, with one warning."""
-    env = os.environ if env is None else env
-    given = env.get("TORCHINDUCTOR_CACHE_DIR")
-    if given and os.path.abspath(given) == _inductor_default():
-        given = None        # set by inductor itself (importing torch._dynamo does), not chosen
-    target = given or os.path.join(cache_root(env), "inductor")
-    try:
-        path, problem = _usable(target)
-    except OSError as e:
-        tmp = tempfile.mkdtemp(prefix="zeroplug-kernels-")
-        env["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        return tmp, (f"cpu_adam: the kernel cache {target} cannot be written ({e.strerror or e}): building the "
-                     f"kernel in {tmp} for this run only; set {CACHE_ENV} (or TORCHINDUCTOR_CACHE_DIR) to a "
-                     f"writable directory to build it once per machine")
-    if problem is None:
-        if path != given:
-            env["TORCHINDUCTOR_CACHE_DIR"] = path
-        return path, None
-    fallback = None
-    default = os.path.join(cache_root({k: v for k, v in env.items() if k != CACHE_ENV}), "inductor")
-    if os.path.realpath(default) != os.path.realpath(target):
-        try:
-            fallback, again = _usable(default)
-        except OSError:
-            fallback = again = None
-        if again is not None:
-            fallback = None
-    if fallback is None:
-        fallback = tempfile.mkdtemp(prefix="zeroplug-kernels-")
-    env["TORCHINDUCTOR_CACHE_DIR"] = fallback
-    which = "TORCHINDUCTOR_CACHE_DIR" if given else CACHE_ENV
-    return fallback, (f"cpu_adam: the kernel cache {printable(target)} is not used, because another user could "
-                      f"put code there that this run would load: {printable(problem)}; using {fallback}. Fix: "
-                      f"set {which} to a directory only you can write (chmod go-w), or unset it")
-
-
-def _inductor_default() -> str | None:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-        return os.path.abspath(default_cache_dir())
-    except Exception as exc:    # noqa: BLE001 - another torch layout
-        log.debug("cpu_adam: inductor's default cache directory is unknown here: %r", exc)
-        return None
 
 
 def _cache_counters() -> dict:
@@ -353,7 +243,7 @@ class WarmUp:
 
 
 def _build_in_child(keys, thread_counts, cache_dir: str) -> subprocess.Popen | None:
-    """Start ``python -m zeroplug.plugins.optim.cpu_adam_warmup`` on these variants, in a
+    """Start ``python -m zeroplug.plugins.optim.cpu_adam.warmup`` on these variants, in a
     session of its own (it finishes the build if this process ends first), writing to the
     build log in ``cache_dir``; None if it cannot be started (this process builds instead)."""
     spec = json.dumps({"keys": [[bool(k[0]), str(k[1]), None if k[2] is None else str(k[2]), *k[3:]] for k in keys],
@@ -388,7 +278,6 @@ def main(argv=None) -> int:
         pass
     spec = json.loads((argv or sys.argv[1:])[0])
     keys = [(k[0], _dtype(k[1]), _dtype(k[2]), *k[3:]) for k in spec["keys"]]
-    from .cpu_adam import CPUAdam
     opt = CPUAdam([torch.zeros(1)], lr=1e-3)     # builds any state kind: the keys name it
     w = WarmUp(opt, keys, spec["threads"]).start()
     w.wait()
