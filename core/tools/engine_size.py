@@ -51,20 +51,29 @@ def module_file(name: str, root: Path) -> Path | None:
     return None
 
 
+def package_of(path: Path, name: str) -> str:
+    """The package relative imports in module ``name`` (the file ``path``) start from."""
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a ``from ... import`` statement names."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    return ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def imports_of(path: Path, name: str) -> set[str]:
     """Every module ``path`` imports, at top level or inside a function, as absolute names
     (``from x import y`` adds both ``x`` and ``x.y``: y may be a submodule)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = package_of(path, name)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                module = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = from_module(node, package)
             found.add(module)
             found.update(f"{module}.{a.name}" for a in node.names)
     return found

@@ -118,17 +118,13 @@ def _module_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
     (``from pkg import sub`` names the submodule, not the package's ``__init__``)."""
     edges = {}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        package = engine_size.package_of(path, name)
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name in modules)
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                else:
-                    base = node.module or ""
+                base = engine_size.from_module(node, package)
                 subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
                 if len(subs) < len(node.names) and base in modules:
                     subs.add(base)
