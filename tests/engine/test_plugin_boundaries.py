@@ -1,7 +1,12 @@
 """Plugin boundaries, checked on the source with ``ast``: the ZeRO stages reach an offload
 tier only through the contract (zeroplug.tiers) and the optimizer only through its
 declared per-sub-group step: they import no other plugin, read no tier option and name
-no tier; core never imports a plugin (test_hooks_contract.py)."""
+no tier; core never imports a plugin (test_hooks_contract.py). The engine and the config
+loader, through every core module they import, import no plugin and no optional
+integration; no modules import each other around a circle; no plugin imports another. The
+docs that describe the tree stay true to it: docs/architecture.md names only files that
+exist and states the engine's size as the code gives it, and docs/benchmarks.md holds current
+figures, each table with its command, machine and date."""
 from __future__ import annotations
 
 import ast
