@@ -153,11 +153,18 @@ class Engine:
         after ``backward`` and before ``step``: whether the one just taken did)."""
         return self.micro_steps_in_window + self._stepped_since_backward >= self.gradient_accumulation_steps
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Note: the accumulation window counts backward calls, so ``step()`` may be called
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, window: int | None = None) -> None:
+        """Backward of ``loss`` divided by the accumulation steps. ``window``: how many
+        micro-batches this backward's accumulation window has, where a host loop's differs
+        from ``gradient_accumulation_steps`` (the shorter last window of an epoch); it holds
+        from then on (``gradient_accumulation_steps`` becomes it).
+
+        Note: the accumulation window counts backward calls, so ``step()`` may be called
         after every micro-batch (DeepSpeed's loop; it steps at the boundary) or only at the
         boundary (the plain PyTorch loop); either way one optimizer step per window."""
         self.require_states("backward")
+        if window is not None:
+            self.gradient_accumulation_steps = window
         self.hook.zeroplug_phase(engine=self, phase="backward")
         self.run.at_boundary = self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
         self.run.first_micro_step = self.micro_steps_in_window == 0
