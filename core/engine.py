@@ -323,13 +323,25 @@ class Engine:
                        non_blocking: bool = False, nvme_path: str | None = None) -> None:
         """Move training states off the device (``include``: names or OffloadStateTypeEnum;
         default all) into the offload tier ``device`` names: "cpu" (host memory), "nvme" (files
-        under ``nvme_path``) or another registered tier. Harmless to repeat."""
+        under ``nvme_path``) or another registered tier. Harmless to repeat. The step refuses
+        to run until ``reload_states()`` while any is offloaded; a call that fails brings every
+        state back (``reload_states()``) before raising."""
         self.background_saves.wait_copied()
         from .offload_states import ALL_STATES, state_name
         names = {state_name(s) for s in include} if include is not None else set(ALL_STATES)
         tier = device.value if hasattr(device, "value") else str(device)
-        self.hook.zeroplug_offload_states(engine=self, include=names, device=tier, pin_memory=pin_memory,
-                                          non_blocking=non_blocking, nvme_path=nvme_path)
+        try:
+            moved = self.hook.zeroplug_offload_states(engine=self, include=frozenset(names), device=tier,
+                                                      pin_memory=pin_memory, non_blocking=non_blocking,
+                                                      nvme_path=nvme_path)
+        except BaseException:
+            # Note: a state moved before the error would be missing from the next step; the
+            # plugins bring back what they moved (should that fail too, the step refuses)
+            self.states_offloaded |= names
+            self.reload_states()
+            raise
+        for names_moved in moved:       # each plugin's answer: the engine's states it moved
+            self.states_offloaded |= set(names_moved)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring every offloaded state back, bit-identical. Harmless when nothing is offloaded."""
