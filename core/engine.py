@@ -115,7 +115,7 @@ class Engine:
         from .checkpoint.background import BackgroundSaves
         self.background_saves = BackgroundSaves()     # save_checkpoint(async_save=True)
         self.metrics = StepMetrics(self.run.device)
-        self._set_lr(self.scheduler.lr_at(0))
+        self.set_lr(self.scheduler.lr_at(0))
         self.hook.zeroplug_engine_setup(engine=self)        # the CUDA warm-up (plugins/warmup)
         factory.ready()
         # Note: a full pass of the cyclic collector walks every tracked object (hundreds of
@@ -133,7 +133,7 @@ class Engine:
 
     # -- the training step -------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
-        self._require_states("forward")
+        self.require_states("forward")
         if self.tokens_per_sample is None:
             self.tokens_per_sample = sequence_length(kwargs.get("input_ids", inputs[0] if inputs else None))
         training = torch.is_grad_enabled()     # else an evaluation: nothing is saved for a backward
@@ -153,11 +153,18 @@ class Engine:
         after ``backward`` and before ``step``: whether the one just taken did)."""
         return self.micro_steps_in_window + self._stepped_since_backward >= self.gradient_accumulation_steps
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Note: the accumulation window counts backward calls, so ``step()`` may be called
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, window: int | None = None) -> None:
+        """Backward of ``loss`` divided by the accumulation steps. ``window``: how many
+        micro-batches this backward's accumulation window has, where a host loop's differs
+        from ``gradient_accumulation_steps`` (the shorter last window of an epoch); it holds
+        from then on (``gradient_accumulation_steps`` becomes it).
+
+        Note: the accumulation window counts backward calls, so ``step()`` may be called
         after every micro-batch (DeepSpeed's loop; it steps at the boundary) or only at the
         boundary (the plain PyTorch loop); either way one optimizer step per window."""
-        self._require_states("backward")
+        self.require_states("backward")
+        if window is not None:
+            self.gradient_accumulation_steps = window
         self.hook.zeroplug_phase(engine=self, phase="backward")
         self.run.at_boundary = self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
         self.run.first_micro_step = self.micro_steps_in_window == 0
@@ -168,7 +175,7 @@ class Engine:
         self.partitioner.before_backward()
         self._lr_kept = self.get_lr()       # the lr a skipped step keeps (a speculation sets the next)
         if self.run.at_boundary and self.offload_optimizer.speculate(self.optimizer, self.precision.loss_scale):
-            self._set_lr(self.scheduler.lr_at(self.lr_step))     # the step's: its tier may start it now
+            self.set_lr(self.scheduler.lr_at(self.lr_step))     # the step's: its tier may start it now
         self.precision.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.micro_step += 1
         self.micro_steps_in_window += 1
@@ -176,7 +183,7 @@ class Engine:
 
     def step(self) -> None:
         """Steps the optimizer once the accumulation window is complete; a no-op before."""
-        self._require_states("step")
+        self.require_states("step")
         self._stepped_since_backward = True
         if self.micro_steps_in_window < self.gradient_accumulation_steps:
             return
@@ -216,7 +223,7 @@ class Engine:
             clip = self.config.batch.gradient_clipping
             if clip > 0 and norm > clip:
                 factor *= clip / (norm + 1e-6)
-            self._set_lr(lr)
+            self.set_lr(lr)
             multiplier = 1.0
             if factor != 1.0 and takes_grad_scale(self.optimizer):
                 # Note: torch's fused Adam/AdamW/SGD (and cpu_adam) multiply each gradient
@@ -230,7 +237,10 @@ class Engine:
         self.global_step += 1
         self._report(norm, lr, overflow)
 
-    def _set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate to ``lr`` now: a parameter group built with an lr of its own
+        (``model_parameters``) gets ``lr`` in proportion, as torch's LR schedulers do. The
+        schedule sets it again at the next step."""
         for g, scale in zip(self.optimizer.param_groups, self._lr_scale):
             g["lr"] = lr * scale
 
@@ -238,7 +248,7 @@ class Engine:
         """Drive the lr with ``schedule`` (an object with ``lr_at(step)``, as
         :class:`zeroplug.slots.Scheduler`) from now on; the lr is set at once."""
         self.scheduler = schedule
-        self._set_lr(schedule.lr_at(self.lr_step))
+        self.set_lr(schedule.lr_at(self.lr_step))
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -313,20 +323,36 @@ class Engine:
                        non_blocking: bool = False, nvme_path: str | None = None) -> None:
         """Move training states off the device (``include``: names or OffloadStateTypeEnum;
         default all) into the offload tier ``device`` names: "cpu" (host memory), "nvme" (files
-        under ``nvme_path``) or another registered tier. Harmless to repeat."""
+        under ``nvme_path``) or another registered tier. Harmless to repeat. The step refuses
+        to run until ``reload_states()`` while any is offloaded; a call that fails brings every
+        state back (``reload_states()``) before raising."""
         self.background_saves.wait_copied()
         from .offload_states import ALL_STATES, state_name
         names = {state_name(s) for s in include} if include is not None else set(ALL_STATES)
         tier = device.value if hasattr(device, "value") else str(device)
-        self.hook.zeroplug_offload_states(engine=self, include=names, device=tier, pin_memory=pin_memory,
-                                          non_blocking=non_blocking, nvme_path=nvme_path)
+        try:
+            moved = self.hook.zeroplug_offload_states(engine=self, include=frozenset(names), device=tier,
+                                                      pin_memory=pin_memory, non_blocking=non_blocking,
+                                                      nvme_path=nvme_path)
+        except BaseException:
+            # Note: a state moved before the error would be missing from the next step; the
+            # plugins bring back what they moved (should that fail too, the step refuses)
+            self.states_offloaded |= names
+            self.reload_states()
+            raise
+        for names_moved in moved:       # each plugin's answer: the engine's states it moved
+            self.states_offloaded |= set(names_moved)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring every offloaded state back, bit-identical. Harmless when nothing is offloaded."""
         self.hook.zeroplug_reload_states(engine=self, non_blocking=non_blocking)
         self.states_offloaded.clear()
 
-    def _require_states(self, what: str) -> None:
+    def require_states(self, what: str) -> None:
+        """Raise unless the training state is whole and in place for ``engine.<what>()``:
+        StepFailedError after a step that failed part-way (until a checkpoint is loaded),
+        StateError while states are offloaded (until reload_states). The step's methods and
+        the checkpoint package call it first."""
         if self.run.failed is not None:
             raise StepFailedError(what, self.run.failed)
         if self.states_offloaded:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterable
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable
 
 import torch
 
@@ -18,6 +18,9 @@ from .hookspecs import hookimpl
 # the offload tier's slot: the stage <-> tier contract (documented there)
 from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, SubGroupOptimizer,  # noqa: F401
                     TierCapabilities, UnitShard, step_group)
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 def takes_grad_scale(optimizer) -> bool:
@@ -159,12 +162,12 @@ class Monitor:
     every_step = False
 
     @hookimpl(trylast=True)
-    def zeroplug_step_end(self, engine, metrics) -> None:
+    def zeroplug_step_end(self, engine: Engine, metrics: dict[str, Any]) -> None:
         if engine.run is self.run and (metrics.get("print") or self.every_step and metrics.get("record")):
             self.write(metrics)
 
     @hookimpl
-    def zeroplug_engine_closed(self, engine) -> None:
+    def zeroplug_engine_closed(self, engine: Engine) -> None:
         if engine.run is self.run:
             self.close()
 

@@ -204,7 +204,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     failed = next((st["failed"] for st in status if st["failed"]), None)
     if failed is not None:
         raise StepFailedError("save_checkpoint", failed if engine.run.failed else f"on another rank, {failed}")
-    engine._require_states("save_checkpoint")
+    engine.require_states("save_checkpoint")
     client_state = {} if client_state is None else client_state
     tag = str(tag) if tag is not None else f"global_step{engine.global_step}"
     if engine.micro_steps_in_window:
@@ -341,7 +341,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     engine.background_saves.wait()      # a save in flight ends first (its failure is raised)
     failed, engine.run.failed = engine.run.failed, None
     try:
-        engine._require_states("load_checkpoint")
+        engine.require_states("load_checkpoint")
     finally:
         engine.run.failed = failed
     comm = engine.run.comm
@@ -453,7 +453,7 @@ def _apply_own(engine, own: dict, load_module_only: bool, load_lr_scheduler_stat
         if own_rng:
             set_rng_states(own["rng"])
         engine.hook.zeroplug_checkpoint_state_load(engine=engine, states=own["plugins"])
-    engine._set_lr(engine.scheduler.lr_at(engine.lr_step))
+    engine.set_lr(engine.scheduler.lr_at(engine.lr_step))
 
 
 def resume(engine, load_dir, tag=None, fallback: bool = False):

@@ -242,13 +242,11 @@ def backward_and_step(engine, loss: torch.Tensor, window: int | None = None) -> 
 
     ``window``: how many micro-batches the host's current accumulation window has (the last
     window of an epoch may be shorter); None keeps the engine's count."""
-    if window is not None and window != engine.gradient_accumulation_steps:
-        # Note: the engine closes a window after gradient_accumulation_steps backward calls;
-        # the host's shorter last window must close after its own length.
-        engine.gradient_accumulation_steps = window
-    gas = engine.gradient_accumulation_steps
-    # Note: engine.backward divides by gradient_accumulation_steps; the host already did.
-    engine.backward(loss * gas if gas > 1 else loss)
+    # Note: the engine closes a window after its length in backward calls; the host's
+    # shorter last window must close after its own length (engine.backward's ``window``).
+    gas = window if window is not None else engine.gradient_accumulation_steps
+    # Note: engine.backward divides by the window's length; the host already did.
+    engine.backward(loss * gas if gas > 1 else loss, window=window)
     engine.step()
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import tempfile
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
 from zeroplug import hookimpl
 from zeroplug.errors import StateError
 from zeroplug.offload_states import ALL_STATES, engine_state_tensors
+
+if TYPE_CHECKING:
+    from zeroplug.engine import Engine
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -47,20 +51,22 @@ class StateMover:
         """Whether ``t``'s storage is offloaded by this mover."""
         return t.untyped_storage()._cdata in self.moved
 
-    def offload_engine(self, engine, names, device: str, pin_memory: bool, non_blocking: bool,
-                       nvme_path: str | None) -> None:
-        """``engine.offload_states``: the named states into the tier ``device`` names, each
-        marked in ``engine.states_offloaded`` as soon as it has moved."""
+    def offload_engine(self, engine: Engine, names: frozenset[str], device: str, pin_memory: bool,
+                       non_blocking: bool, nvme_path: str | None) -> set[str]:
+        """``engine.offload_states``: the named states into the tier ``device`` names.
+        Returns the names moved."""
         tier = self.tiers.get(device) or make_tier(engine, device, pin_memory, nvme_path)
         self.tiers[device] = tier
         engine.partitioner.release_all()      # drains in-flight prefetches first (stage 3)
         if engine.run.device.type == "cuda":
             torch.cuda.synchronize()
         tensors = engine_state_tensors(engine)
+        moved = set()
         for name in ALL_STATES:
             if name in names:
                 self.offload(tensors[name], tier, non_blocking)
-                engine.states_offloaded.add(name)
+                moved.add(name)
+        return moved
 
     def offload(self, tensors, tier, non_blocking: bool) -> None:
         for t in tensors:
@@ -94,22 +100,23 @@ _movers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @hookimpl(tryfirst=True)
-def zeroplug_offload_states(engine, include, device, pin_memory, non_blocking, nvme_path):
+def zeroplug_offload_states(engine: Engine, include: frozenset[str], device: str, pin_memory: bool,
+                            non_blocking: bool, nvme_path: str | None) -> set[str]:
     mover = _movers.get(engine)
     if mover is None:
         mover = _movers[engine] = StateMover()
-    mover.offload_engine(engine, include, device, pin_memory, non_blocking, nvme_path)
+    return mover.offload_engine(engine, include, device, pin_memory, non_blocking, nvme_path)
 
 
 @hookimpl(tryfirst=True)
-def zeroplug_reload_states(engine, non_blocking):
+def zeroplug_reload_states(engine: Engine, non_blocking: bool) -> None:
     mover = _movers.get(engine)
     if mover is not None:
         mover.reload(non_blocking)
 
 
 @hookimpl
-def zeroplug_state_devices(engine, state):
+def zeroplug_state_devices(engine: Engine, state: str) -> set[torch.device]:
     mover = _movers.get(engine)
     tensors = engine_state_tensors(engine)[state]
     if mover is None:
@@ -118,7 +125,7 @@ def zeroplug_state_devices(engine, state):
 
 
 @hookimpl
-def zeroplug_engine_closed(engine):
+def zeroplug_engine_closed(engine: Engine) -> None:
     mover = _movers.pop(engine, None)
     if mover is not None:
         mover.close()

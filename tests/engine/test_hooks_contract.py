@@ -79,8 +79,12 @@ class Recorder:
 
     @zeroplug.hookimpl
     def zeroplug_offload_states(self, engine, include, device, pin_memory, non_blocking, nvme_path):
+        from zeroplug.offload_states import engine_state_tensors
+        freed = {name for name, ts in engine_state_tensors(engine).items()
+                 if ts and all(t.untyped_storage().size() == 0 for t in ts)}
         self.calls.append(("zeroplug_offload_states", {"engine": engine, "include": set(include),
-                                                      "device": device, "offloaded": set(engine.states_offloaded)}))
+                                                      "device": device, "freed": freed}))
+        return None         # moved none of the engine's states
 
     @zeroplug.hookimpl
     def zeroplug_reload_states(self, engine):
@@ -328,20 +332,57 @@ def test_checkpoint_state_save_and_load(tmp_path):
     engine2.close()
 
 
-def test_offload_and_reload_states():
+def test_offload_and_reload_states(tmp_path):
     rec = Recorder()
     engine = make_engine(rec)
     train(engine, 1)
-    engine.offload_states(include={"optim_states", "hp_params"}, device="cpu")
+    # nvme: on a CPU run "cpu" is where the states are already (nothing leaves)
+    engine.offload_states(include={"optim_states", "hp_params", "lp_params"}, device="nvme", nvme_path=str(tmp_path))
     calls = rec.of("zeroplug_offload_states")
     assert len(calls) == 1 and calls[0]["engine"] is engine
     assert calls[0]["include"] >= {"optim_states", "hp_params"}
-    assert str(calls[0]["device"]) == "cpu"
-    assert calls[0]["offloaded"] == calls[0]["include"]     # the built-in plugin moved them first (tryfirst)
+    assert str(calls[0]["device"]) == "nvme"
+    assert calls[0]["freed"] == {"lp_params"}               # the built-in plugin moved them first (tryfirst;
+                                                            # fp32 stage 0 with SGD holds no others)
+    assert engine.states_offloaded == calls[0]["include"]   # what it returned, recorded by the engine
+    with pytest.raises(zeroplug.StateError, match="offloaded"):
+        train(engine, 1)
     assert rec.of("zeroplug_reload_states") == []
     engine.reload_states()
     assert len(rec.of("zeroplug_reload_states")) == 1
     train(engine, 1)                                   # training works again
+    engine.close()
+
+
+class FailingMover:
+    """Raises in zeroplug_offload_states, after the built-in plugin moved the engine's states."""
+
+    def __init__(self):
+        self.freed = None
+
+    @zeroplug.hookimpl
+    def zeroplug_offload_states(self, engine, include):
+        from zeroplug.offload_states import engine_state_tensors
+        self.freed = all(t.untyped_storage().size() == 0 for t in engine_state_tensors(engine)["lp_params"])
+        raise RuntimeError("device lost")
+
+
+def test_a_failed_offload_brings_back_what_moved(tmp_path):
+    from zeroplug.offload_states import engine_state_tensors
+    rec = Recorder()
+    engine = make_engine(rec)
+    train(engine, 1)
+    failing = FailingMover()
+    registry.get_plugin_manager().register(failing, "failing_mover")
+    before = [t.clone() for t in engine_state_tensors(engine)["lp_params"]]
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.offload_states(include={"lp_params"}, device="nvme", nvme_path=str(tmp_path))
+    assert failing.freed                            # the built-in plugin had moved them
+    assert len(rec.of("zeroplug_reload_states")) == 1 and not engine.states_offloaded
+    assert all(torch.equal(a, b) for a, b in zip(before, engine_state_tensors(engine)["lp_params"]))
+    with pytest.raises(zeroplug.StateError, match="keeps states on the training device"):
+        engine.offload_states(device="none")        # refused before anything moves
+    train(engine, 1)                                # every state in place: training goes on
     engine.close()
 
 
