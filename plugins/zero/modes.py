@@ -1,0 +1,44 @@
+"""Modes: the ways a stage can work, each decided once at setup into a small object.
+
+A stage holds its choices as objects with one job each: a gradient sink (where a unit's
+gradients go, :mod:`.grad_sinks`), a parameter source per unit (where its gathered
+parameters come from, :mod:`.param_sources`), where the optimizer's states are stepped
+(:mod:`.offload`) and, at stage 3, what is gathered ahead of use (:mod:`.prefetch`). The
+hot methods (the gradient hook, reductions, gathers, releases, the step) call them and
+test no flag.
+
+A mode is a class with a classmethod ``applies(part, ...)`` that reads what the
+partitioner settled at setup (stage, world size, precision, tiers, options), registered in
+a :class:`Modes` list; the first class whose ``applies`` answers true is the one chosen.
+Adding a mode is one class and one ``register`` line (``before=`` puts it ahead of a mode
+it refines); the stage files do not change.
+"""
+from __future__ import annotations
+
+
+class Modes:
+    """An ordered registry of mode classes (earlier entries win)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.classes: list[type] = []
+
+    def register(self, cls: type | None = None, *, before: type | None = None):
+        """Add ``cls`` (usable as a decorator), last or just ahead of ``before``."""
+        def add(c: type) -> type:
+            if c in self.classes:
+                self.classes.remove(c)
+            at = self.classes.index(before) if before is not None else len(self.classes)
+            self.classes.insert(at, c)
+            return c
+        return add(cls) if cls is not None else add
+
+    def pick(self, *facts) -> type:
+        """The first registered class whose ``applies(*facts)`` is true."""
+        for cls in self.classes:
+            if cls.applies(*facts):
+                return cls
+        raise LookupError(f"no {self.what} applies")    # (the last registered applies always)
+
+    def __iter__(self):
+        return iter(self.classes)
