@@ -37,7 +37,7 @@ from zeroplug.tiers import step_all
 
 from .groups import reduce_gradients
 from .lp_grads import LowPrecisionGrads
-from .modes import Modes
+from zeroplug.modes import Modes
 
 GRAD_SINKS = Modes("gradient sink")
 

@@ -31,7 +31,7 @@ import torch
 from zeroplug.flat import free_storage
 
 from . import unit as unit_module
-from .modes import Modes
+from zeroplug.modes import Modes
 
 PARAM_SOURCES = Modes("parameter source")
 

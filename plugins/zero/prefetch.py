@@ -13,7 +13,7 @@ The stage picks one policy at setup from :data:`PREFETCH` (first that applies):
 """
 from __future__ import annotations
 
-from .modes import Modes
+from zeroplug.modes import Modes
 from .unit import FREE
 
 PREFETCH = Modes("prefetch policy")

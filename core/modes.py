@@ -1,17 +1,15 @@
-"""Modes: the ways a stage can work, each decided once at setup into a small object.
+"""Modes: the ways a stage or a tier can work, each decided once into a small object.
 
-A stage holds its choices as objects with one job each: a gradient sink (where a unit's
-gradients go, :mod:`.grad_sinks`), a parameter source per unit (where its gathered
-parameters come from, :mod:`.param_sources`), where the optimizer's states are stepped
-(:mod:`.offload`) and, at stage 3, what is gathered ahead of use (:mod:`.prefetch`). The
-hot methods (the gradient hook, reductions, gathers, releases, the step) call them and
-test no flag.
+A stage or tier that can work several ways holds each choice as an object with one job
+(the ZeRO stages: a gradient sink, a parameter source per unit, where the states step, what
+is prefetched; the host tier: how it steps a sub-group, publishes, lands gradients and
+schedules its step). The hot methods call those objects and test no flag.
 
-A mode is a class with a classmethod ``applies(part, ...)`` that reads what the
-partitioner settled at setup (stage, world size, precision, tiers, options), registered in
-a :class:`Modes` list; the first class whose ``applies`` answers true is the one chosen.
+A mode is a class with a classmethod ``applies(...)`` that reads what its owner settled at
+setup (stage, world size, precision, tiers, options, the optimizer), registered in a
+:class:`Modes` list; the first class whose ``applies`` answers true is the one chosen.
 Adding a mode is one class and one ``register`` line (``before=`` puts it ahead of a mode
-it refines); the stage files do not change.
+it refines); the owner's files do not change.
 """
 from __future__ import annotations
 
