@@ -95,6 +95,8 @@ class Stage3(Stage2):
         # what the step leaves to refill or to mark stale (hpZ secondary shards)
         self._persistent = [u for u in self.units if u.persistent] if self.gathers_per_unit() else []
         self._secondaries = [u.secondary for u in self.all_units if u.secondary is not None]
+        # the units without a model-dtype shard (filled from their masters for checkpoints)
+        self._from_master = [u for u in self.units if u.source.from_master]
         if self.params_offloaded:       # the shards the param tier holds between uses
             held = [u for u in self.units if not u.persistent and u.source.tiered]
             self.param_tier_units = frozenset(u.index for u in held)
@@ -403,7 +405,7 @@ class Stage3(Stage2):
         """Parameter shards out of memory with a ``parts`` writer: read in one sub-group's units
         at a time, their pieces written into that sub-group's part file (see checkpointing.py).
         Without one: every shard in and the export copied."""
-        if self.lp_from_master:
+        if self._from_master:
             with self._lp_shards():     # the pieces' model-dtype values: copies that outlive the shards
                 out = super().checkpoint_state(optimizer, parts=parts)
                 for pieces in out["pieces"].values():
@@ -424,7 +426,7 @@ class Stage3(Stage2):
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         """import_state fills a shard out of memory one unit at a time; model-dtype shards
         that the masters replace exist for the load only."""
-        if not self.lp_from_master:
+        if not self._from_master:
             return super().load_checkpoint_state(states, optimizer, **flags)
         with self._lp_shards():
             return super().load_checkpoint_state(states, optimizer, **flags)
@@ -432,7 +434,7 @@ class Stage3(Stage2):
     @contextmanager
     def _lp_shards(self):
         """The model-dtype shards of the units gathered from their masters, for the block."""
-        units = [u for u in self.units if u.lp_source is not None]
+        units = self._from_master
         for u in units:
             alloc_storage(u.shard)
             u.shard.copy_(u.lp_source)
