@@ -130,6 +130,7 @@ class HostTier(OffloadTier):
     lane = None
     _worker: ThreadPoolExecutor | None = None   # the step worker (step_worker())
     _future = None                              # the step in flight (None: nothing pending)
+    _speculate = staticmethod(_no_speculation)  # the speculative step's request (prepare sets it)
 
     @property
     def device(self) -> torch.device:
@@ -229,7 +230,6 @@ class HostTier(OffloadTier):
         self._decided = False                      # the lane, sub-group step and schedule
         self.delayed = DelayedUpdate(self) if self.delayed_warmup() is not None else None
         self.speculation: Speculation | None = None    # made by prepare when speculative_step allows
-        self._speculate = _no_speculation
         self._landed = _nothing                    # the speculation's count of landed units
         self._lane_sync = _nothing
         self._follow_up = NO_FOLLOW_UP             # of the step in flight (delayed update)
