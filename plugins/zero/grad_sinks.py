@@ -248,6 +248,8 @@ class ToTier:
     def __init__(self, part):
         super().__init__(part)
         self.offload = part.offload
+        if not self.offload.gpu_norm:   # (accumulation: the norm is taken from the tier's gradients)
+            self.norm_sq = super().norm_sq
 
     def first_micro(self, u) -> bool:
         return True
@@ -263,10 +265,8 @@ class ToTier:
         self.offload.wait_grads()
 
     def norm_sq(self) -> torch.Tensor:
-        sq = self.offload.take_norm_sq()
-        if sq is None:      # (accumulation: computed on the host, from the tier's gradients)
-            return super().norm_sq()
-        return self.shard_sum(sq)
+        """Summed on the device as each shard was handed over (offload.py)."""
+        return self.shard_sum(self.offload.take_norm_sq())
 
     def step(self, optimizer, grad_multiplier: float) -> None:
         self.offload.step(optimizer, grad_multiplier)
