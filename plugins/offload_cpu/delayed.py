@@ -108,7 +108,15 @@ class DelayedUpdate:
         done.set()
         self.live = True
         self.steps += 1
-        tier.run_in_background(run, [done] * len(ranges), {})    # the shards are not written: no unit waits
+        # the shards are not written: no unit waits; wait_all settles the update (below)
+        tier.run_in_background(run, [done] * len(ranges), {}, follow_up=self)
+
+    def before_wait(self) -> None:
+        """``wait_all`` waits for the update in flight (set on the main thread)."""
+        self.live = False
+
+    def after_wait(self) -> None:
+        self.finish()
 
     def released(self, unit: int) -> None:
         """The backward no longer reads ``unit``'s shard in this step (its reduced gradient

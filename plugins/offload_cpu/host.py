@@ -25,6 +25,9 @@ it is ready moves.
 
 Note: on a CPU-only run the same code runs with synchronous copies, which is how CI
 tests it against the in-memory path (overlapped steps included).
+
+How the tier copies, publishes, lands gradients, steps a sub-group and schedules its step
+is decided once (:mod:`.stepping`): the methods below call those objects and test no flag.
 """
 from __future__ import annotations
 
@@ -35,12 +38,11 @@ import torch
 
 from zeroplug.flat import set_grad
 from zeroplug.slots import takes_grad_scale
-from zeroplug.tiers import (
-    OffloadTier, SubGroupOptimizer, TierCapabilities, init_group_states, optimizer_state_bytes, step_group,
-)
+from zeroplug.tiers import OffloadTier, SubGroupOptimizer, TierCapabilities, init_group_states, optimizer_state_bytes
 
 from .delayed import DelayedUpdate
 from .speculative import Speculation
+from .stepping import COPIES, LANDINGS, PUBLISHERS, SUB_GROUP_STEPS, choose_schedule
 
 #: elements of the fp32 device buffer that publishes a master without a fused copy (64 MiB)
 PUBLISH_CHUNK = 1 << 24
@@ -53,6 +55,38 @@ PUBLISH_CHUNK = 1 << 24
 #: runs the 1.3B workload faster than DeepSpeed's sizes on stages 2 and 3 (docs/benchmarks.md,
 #: "DeepSpeed's JSON as it is", has the figures).
 GRANULARITY = 100_000_000
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+def _no_speculation(optimizer, loss_scale) -> bool:
+    return False
+
+
+class _NoFollowUp:
+    """What a background step without a follow-up does when it is waited for."""
+
+    def before_wait(self) -> None:
+        pass
+
+    def after_wait(self) -> None:
+        pass
+
+
+NO_FOLLOW_UP = _NoFollowUp()
+
+
+class _Undecided:
+    """The schedule before the optimizer is known: decides at the first step."""
+
+    def __init__(self, tier):
+        self.tier = tier
+
+    def step(self, optimizer, mult: float) -> None:
+        self.tier.decide_step(optimizer)
+        self.tier.schedule.step(optimizer, mult)
 
 
 class HostTier(OffloadTier):
@@ -85,12 +119,18 @@ class HostTier(OffloadTier):
     ``train_device``, the ``d2h`` / ``h2d`` streams, :meth:`pieces`, :meth:`step_worker`,
     :meth:`run_in_background`, :meth:`step_sub_group` and :meth:`publish_master`. Names with
     a leading underscore are this class's own.
+
+    The ways it works are objects decided once (:mod:`.stepping`): ``copies``,
+    ``publisher`` and ``landing`` in :meth:`start_movement`; ``sub_group_step`` and
+    ``schedule`` once the optimizer is known (``prepare``, else :meth:`decide_step` at the
+    first step).
     """
 
     #: the GPU lane (gpu_lane.py) that steps a share of the sub-groups, when ``make_lane`` made one
     lane = None
     _worker: ThreadPoolExecutor | None = None   # the step worker (step_worker())
     _future = None                              # the step in flight (None: nothing pending)
+    _speculate = staticmethod(_no_speculation)  # the speculative step's request (prepare sets it)
 
     @property
     def device(self) -> torch.device:
@@ -187,9 +227,18 @@ class HostTier(OffloadTier):
         self.overlapped_steps = 0                  # a statistic for tests and benchmarks
         self.lane = None                           # the GPU lane (gpu_lane.py), made by prepare
         self.lane_groups: set[int] = set()         # sub-groups it steps
-        self._lane_decided = False
+        self._decided = False                      # the lane, sub-group step and schedule
         self.delayed = DelayedUpdate(self) if self.delayed_warmup() is not None else None
         self.speculation: Speculation | None = None    # made by prepare when speculative_step allows
+        self._landed = _nothing                    # the speculation's count of landed units
+        self._lane_sync = _nothing
+        self._follow_up = NO_FOLLOW_UP             # of the step in flight (delayed update)
+        # how it copies, publishes and lands gradients (stepping.py)
+        self.copies = COPIES.pick(self)(self)
+        self.publisher = PUBLISHERS.pick(self)(self)
+        self.landing = LANDINGS.pick(self)(self)
+        self.sub_group_step = None                 # and how it steps, once the optimizer is known
+        self.schedule = _Undecided(self)
 
     def lp_on_device(self, a: int, b: int) -> bool:
         """Whether the model-dtype shards of master elements [a, b) are on the training device."""
@@ -201,41 +250,23 @@ class HostTier(OffloadTier):
         if k is None:       # no elements on this rank
             return
         self._land(k, unit, src, accumulate)
-        if self.speculation is not None:
-            self.speculation.landed(k)
+        self._landed(k)
 
     def _land(self, k: int, unit, src, accumulate) -> None:
         a, b = self.grad_at[unit]
         base = self.ranges[k][0]
-        live = self.delayed is not None and self.delayed.live
-        grads = self.delayed.landing(k) if self.delayed is not None else self.masters[k].grad
-        dst = grads[a - base:b - base]
+        landing = self.landing
+        dst = landing.buffer(k)[a - base:b - base]
         self._wait_host(k)                  # the previous step has read this gradient buffer
         if src is None:
             dst.zero_()
-            if live:
-                self.delayed.released(unit)
-            return
-        if self.lane is not None and self.cuda and not live:   # ... and the GPU lane's H2D of it is done
-            self.lane.order_after(k, self.d2h)
-        if not self.cuda:
-            if accumulate:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
-        elif accumulate:          # accumulation: rare path, synchronous
-            dst.add_(src.to("cpu", torch.float32))
         else:
-            self.d2h.wait_stream(torch.cuda.current_stream(self.train_device))
-            with torch.cuda.stream(self.d2h):
-                dst.copy_(src, non_blocking=True)
-            src.record_stream(self.d2h)     # the allocator keeps src until the copy is done
-        if live:
-            self.delayed.released(unit)     # the backward is done with this unit's shard
+            landing.before_copy(k)          # ... and the GPU lane's H2D of it is done
+            self.copies.grad(dst, src, accumulate)
+        landing.released(unit)              # the backward is done with this unit's shard
 
     def grads_landed(self) -> None:
-        if self.cuda:
-            self.d2h.synchronize()
+        self.copies.grads_landed()
 
     # -- the step, sub-group by sub-group ---------------------------------------------
     def prepare(self, optimizer) -> None:
@@ -244,9 +275,9 @@ class HostTier(OffloadTier):
         Note: created lazily, Adam's moments (8 bytes per element: 11 GB for 1.3B, the
         lane's share page-locked) made the first step several times slower than the next.
         The host ring the fused step writes the model-dtype copy into is allocated here too."""
-        if self.kind != "optimizer" or self._lane_decided:
+        if self.kind != "optimizer" or self._decided:
             return
-        self._lane_decided = True
+        self._decided = True
         fused = isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory
         self.make_lane(optimizer, self.ranges, fused)
         on_host = [k for k in range(len(self.ranges)) if k not in self.lane_groups]
@@ -256,11 +287,27 @@ class HostTier(OffloadTier):
                     self.lane.states(optimizer.state, p)
             else:
                 init_group_states(optimizer, k)
-        # Note: page-locking the ring (2 x the largest sub-group: 4 GB at DeepSpeed's
-        # sub_group_size 1e9) touches every page, which does not belong in a training step.
-        if fused and self.layout.publish and any(self.lp_on_device(*self.ranges[k]) for k in on_host):
-            self._host_ring()
         self._prepare_speculation(optimizer, fused)
+        self._choose(optimizer)
+        self.sub_group_step.prepare(on_host)    # (the fused step's host ring)
+
+    def decide_step(self, optimizer) -> None:
+        """At the first step of a tier whose ``prepare`` did not run: the GPU lane, then how
+        the tier steps (no speculation)."""
+        self._decided = True
+        fused = isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory
+        self.make_lane(optimizer, self.ranges, fused)
+        self._choose(optimizer)
+
+    def _choose(self, optimizer) -> None:
+        """How the step runs, from the lane and speculation decided for ``optimizer``."""
+        self.sub_group_step = SUB_GROUP_STEPS.pick(self, optimizer)(self, optimizer)
+        self.landing = LANDINGS.pick(self)(self)
+        self.schedule = choose_schedule(self, optimizer)
+        if self.lane is not None:
+            self._lane_sync = self.lane.synchronize
+        if self.speculation is not None:
+            self._speculate, self._landed = self.speculation.request, self.speculation.landed
 
     def _prepare_speculation(self, optimizer, fused: bool) -> None:
         mode = self.speculative_mode(self.train_device)
@@ -280,12 +327,7 @@ class HostTier(OffloadTier):
 
     # -- the speculative step (speculative.py) ----------------------------------------------
     def speculate(self, optimizer, loss_scale) -> bool:
-        if self.speculation is None:
-            return False
-        if loss_scale is None:
-            self.speculation.discard()
-            return False
-        return self.speculation.begin(optimizer, loss_scale)
+        return self._speculate(optimizer, loss_scale)
 
     def grads_final(self, k: int) -> None:
         """Sub-group k's gradients of this window are all here (or on their way, on d2h)."""
@@ -294,69 +336,20 @@ class HostTier(OffloadTier):
         # Note: every copy into k was queued on d2h (or was synchronous): an event there
         # after them also follows the backward work that wrote k's gradients and read its
         # parameters, so k's new values may go up once it is done.
-        self.speculation.final(k, self.d2h.record_event() if self.cuda else None)
+        self.speculation.final(k, self.copies.grads_event())
 
     def publish_finished(self) -> None:
         """The current stream's later work follows every upload queued so far."""
-        if self.cuda:
-            torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
+        self.copies.compute_after_uploads()
 
     def step(self, optimizer, grad_multiplier: float = 1.0) -> None:
-        groups = optimizer.param_groups
-        masters = self.masters
-        ranges = self.ranges
-        fused = isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory
-        mult = grad_multiplier
-        overlapped = fused and self.overlaps()
-        threads = self.overlap_threads() if overlapped else None
-        if self.cuda:
-            self.h2d.wait_stream(torch.cuda.current_stream(self.train_device))
-        if not self._lane_decided:
-            self._lane_decided = True
-            self.make_lane(optimizer, ranges, fused)
-        lane = self.lane_groups      # empty unless a lane was made
-        if self.delayed is not None and self.delayed.due(optimizer):
-            self.delayed.start(optimizer, fused, mult)
-            return
-        for k in sorted(lane):      # queued first: the GPU works while the CPU steps the rest
-            self.lane.enqueue(groups[k], optimizer.state, k, masters[k], ranges[k][0], mult)
-        kept, uploads = [], {}
-        if self.speculation is not None:     # what the backward stepped and still holds
-            kept, uploads = self.speculation.validate(optimizer, mult)
-        cpu_groups = [k for k in range(len(ranges)) if k not in lane and k not in kept]
-
-        def step_one(k: int) -> None:
-            self.step_sub_group(optimizer, k, mult, threads)
-
-        if overlapped:
-            self._start_overlapped(step_one, cpu_groups, set(lane) | set(kept), uploads)
-            return
-        self.sub_group_loop(optimizer, step_one, cpu_groups)
-        if lane:
-            self.lane.synchronize()     # host readers of the states may come next
-        if self.cuda:
-            torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
+        self.copies.uploads_after_compute()
+        self.schedule.step(optimizer, grad_multiplier)
 
     def step_sub_group(self, optimizer, k: int, mult: float, threads):
         """Step sub-group k with gradient multiplier ``mult`` and publish it; returns the CUDA
         event of its upload from the host ring, if it went through one (else None)."""
-        a, b = self.ranges[k]
-        if not self.layout.publish:     # the stage gathers from the masters: nothing to write
-            step_group(optimizer, k, grad_multiplier=mult, threads=threads)
-            return None
-        if isinstance(optimizer, SubGroupOptimizer) and self.layout.shards_in_memory:
-            # Note: an optimizer with step_group (cpu_adam) writes the model-dtype copy in its
-            # own pass: straight into host shards, or into a pinned staging buffer that goes
-            # up at 2 bytes per element; otherwise the fp32 master is copied and cast.
-            lp = self._lp_target(k, a, b)
-            step_group(optimizer, k, lp_out=lp, grad_multiplier=mult, threads=threads)
-            if not isinstance(lp, list):
-                self._upload(lp, a, b, k)
-                return self.events.get(("staging", k % 2))
-            return None
-        step_group(optimizer, k, grad_multiplier=mult)    # this sub-group only
-        self.publish_master(self.masters[k], a, k)
-        return None
+        return self.sub_group_step.step(optimizer, k, mult, threads)
 
     def sub_group_loop(self, optimizer, step_one, order: list[int]) -> None:
         """Step the sub-groups in ``order`` (the nvme tier reads ahead and writes behind)."""
@@ -370,35 +363,16 @@ class HostTier(OffloadTier):
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroplug-cpu-step")
         return self._worker
 
-    def run_in_background(self, run, stepped: list[threading.Event], uploaded: dict) -> None:
+    def run_in_background(self, run, stepped: list[threading.Event], uploaded: dict, follow_up=None) -> None:
         """Run ``run`` (a step) on :meth:`step_worker` and return: from now on ``wait(k)`` and
         ``ready(k)`` follow ``stepped[k]`` (set once sub-group k's shards hold their new values)
         and ``uploaded[k]`` (the CUDA event of their upload, if any; ``run`` may add to it), and
-        ``wait_all()`` / ``in_flight()`` follow ``run`` itself."""
+        ``wait_all()`` / ``in_flight()`` follow ``run`` itself. ``follow_up``: an object whose
+        ``before_wait()`` and ``after_wait()`` ``wait_all`` calls around its wait (the latter
+        once the step succeeded and its uploads are ordered)."""
         self._stepped, self._uploaded = stepped, uploaded
+        self._follow_up = follow_up if follow_up is not None else NO_FOLLOW_UP
         self._future = self.step_worker().submit(run)
-
-    def _start_overlapped(self, step_one, cpu_groups, done, uploads) -> None:
-        """``done``: sub-groups not stepped here (the GPU lane's, queued on the device, and
-        those the backward stepped speculatively, with their upload events ``uploads``)."""
-        stepped = [threading.Event() for _ in self.ranges]
-        lane_events = self.lane.events if self.lane is not None else {}
-        uploaded = {k: lane_events[k] for k in done if k in lane_events}
-        uploaded.update(uploads)
-        for k in done:
-            stepped[k].set()      # queued on the GPU, or stepped by the backward's jobs
-
-        def run() -> None:
-            for k in cpu_groups:
-                step_one(k)
-                if self.cuda:
-                    ev = self.events.get(("staging", k % 2))
-                    if ev is not None:
-                        uploaded[k] = ev
-                stepped[k].set()
-
-        self.run_in_background(run, stepped, uploaded)
-        self.overlapped_steps += 1
 
     def _wait_host(self, k: int) -> None:
         fut = self._future
@@ -412,10 +386,7 @@ class HostTier(OffloadTier):
         if self._future is None:
             return
         self._wait_host(k)
-        if self.cuda:
-            ev = self._uploaded.get(k)
-            if ev is not None:
-                torch.cuda.current_stream(self.train_device).wait_event(ev)
+        self.copies.compute_after(self._uploaded.get(k))
 
     def ready(self, k: int) -> bool:
         return self._future is None or self._stepped[k].is_set()
@@ -424,9 +395,8 @@ class HostTier(OffloadTier):
         fut, self._future = self._future, None
         if fut is None:
             return
-        delayed = self.delayed is not None and self.delayed.live
-        if delayed:
-            self.delayed.live = False
+        follow_up, self._follow_up = self._follow_up, NO_FOLLOW_UP
+        follow_up.before_wait()
         try:
             fut.result()
         except BaseException as exc:
@@ -436,12 +406,9 @@ class HostTier(OffloadTier):
             run.failed = run.failed or f"the overlapped optimizer step failed ({type(exc).__name__}: {exc})"
             raise
         finally:
-            if self.lane is not None:
-                self.lane.synchronize()
-        if self.cuda:
-            torch.cuda.current_stream(self.train_device).wait_stream(self.h2d)
-        if delayed:
-            self.delayed.finish()
+            self._lane_sync()
+        self.copies.compute_after_uploads()
+        follow_up.after_wait()
 
     def in_flight(self) -> bool:
         return self._future is not None
@@ -453,31 +420,6 @@ class HostTier(OffloadTier):
             x, y = max(a, u.start), min(b, u.start + u.numel)
             if x < y:
                 yield u, x - u.start, y - u.start, x - a
-
-    def _lp_target(self, k: int, a: int, b: int):
-        """Where sub-group k's model-dtype values go: the host shards themselves (a list of
-        slices), or the staging buffer its upload reads (a tensor)."""
-        if not self.lp_on_device(a, b):
-            return [u.shard[x:y] for u, x, y, _ in self.pieces(a, b)]
-        self._host_ring()
-        prev = self.events.pop(("staging", k % 2), None)
-        if prev is not None:
-            prev.synchronize()       # the upload of sub-group k - 2 read this buffer
-        return self.host_staging[k % 2][:b - a]
-
-    def _host_ring(self) -> list[torch.Tensor]:
-        """The two host model-dtype buffers that a fused step writes and the uploads read, each
-        the size of the largest sub-group (allocated by ``prepare``)."""
-        size = max(hi - lo for lo, hi in self.ranges)
-        while len(self.host_staging) < 2:
-            self.host_staging.append(self.empty(size, self.layout.param_dtype))
-        return self.host_staging
-
-    def _upload(self, src: torch.Tensor, a: int, b: int, k: int) -> None:
-        with torch.cuda.stream(self.h2d):
-            for u, x, y, s in self.pieces(a, b):
-                u.shard[x:y].copy_(src[s:s + y - x], non_blocking=True)
-            self.events[("staging", k % 2)] = self.h2d.record_event()
 
     def _staging(self) -> torch.Tensor:
         """The device buffer an optimizer without a fused copy (torch's Adam on the CPU)
@@ -496,15 +438,7 @@ class HostTier(OffloadTier):
 
     def publish_master(self, master: torch.Tensor, a: int, k: int) -> None:
         """Master elements [a, a + numel) into the model-dtype shards of their units."""
-        if not self.layout.publish:
-            return
-        b = a + master.numel()
-        if self.cuda and self.layout.units[0].shard.device.type == "cuda":
-            with torch.cuda.stream(self.h2d):
-                self.publish_chunks(master, a, b)
-                self.events[k] = self.h2d.record_event()
-        else:
-            self._scatter(master, a, b)
+        self.publisher.publish(master, a, k)
 
     def publish_chunks(self, master: torch.Tensor, a: int, b: int) -> None:
         """Master elements [a, b) through the staging buffer into their shards, in chunks."""
@@ -513,22 +447,13 @@ class HostTier(OffloadTier):
             e = min(b - a, s + buf.numel())
             src = buf[:e - s]
             src.copy_(master[s:e], non_blocking=True)
-            self._scatter(src, a + s, a + e)
+            self.publisher.scatter(src, a + s, a + e)
 
     def publish_done(self, k: int) -> None:
         """Block until sub-group k's upload no longer reads its host master."""
         event = self.events.pop(k, None)
         if event is not None:
             event.synchronize()
-
-    def _scatter(self, src: torch.Tensor, a: int, b: int) -> None:
-        in_memory = self.layout.shards_in_memory
-        for u, x, y, s in self.pieces(a, b):
-            if in_memory:
-                u.shard[x:y].copy_(src[s:s + y - x])
-                continue
-            with self.layout.write_shard(u.index) as shard:   # a shard out of memory: filled, written back
-                shard[x:y].copy_(src[s:s + y - x])
 
     def close(self) -> None:
         super().close()

@@ -130,6 +130,14 @@ class Speculation:
         return sum(b.nbytes() for b in self.backups.values())
 
     # -- backward -----------------------------------------------------------------------
+    def request(self, optimizer, loss_scale: float | None) -> bool:
+        """The tier's ``speculate``: a boundary backward begins (True if its sub-groups step
+        during it), or, with ``loss_scale`` None, what was speculated is undone."""
+        if loss_scale is None:
+            self.discard()
+            return False
+        return self.begin(optimizer, loss_scale)
+
     def begin(self, optimizer, loss_scale: float) -> bool:
         """A boundary backward begins; True if its sub-groups step during it (the engine then
         sets the step's lr, before any gradient arrives)."""

@@ -36,6 +36,39 @@ class SecondaryShard:
         self.fresh = True
 
 
+class SecondaryFirst:
+    """A unit's parameter source with an hpZ secondary shard (:mod:`.param_sources`): while
+    the secondary is current a gather stays within the group; otherwise ``source`` fills the
+    unit across every rank and the secondary keeps its slice."""
+
+    def __init__(self, source):
+        self.source = source
+        self.whole, self.tiered, self.from_master = source.whole, source.tiered, source.from_master
+
+    def fill(self, u, comm, upload=None):
+        sec = u.secondary
+        if sec.fresh:
+            return sec.comm.all_gather(u.full, sec.values, async_op=True)
+        return self.source.fill(u, comm, upload)
+
+    def gathered(self, u) -> None:
+        if not u.secondary.fresh:
+            u.secondary.keep(u.full)      # later gathers, until the next step: in the group
+        self.source.gathered(u)
+
+    def bind_master(self, u) -> None:
+        self.source.bind_master(u)
+
+    def fetch(self, u) -> None:
+        self.source.fetch(u)
+
+    def prefetch(self, u) -> bool:
+        return self.source.prefetch(u)
+
+    def evict(self, u) -> None:
+        self.source.evict(u)
+
+
 def check_hpz(size: int, options, params_offloaded: bool, optimizer_offloaded: bool) -> None:
     """The combinations hpZ does not take, as one-line errors."""
     from zeroplug.errors import ConfigError

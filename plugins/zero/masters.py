@@ -15,7 +15,7 @@ accumulation window they persist.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class Masters:
     flat: torch.Tensor | None = None        # the one buffer the unit masters are slices of
     sub_group_ranges: list | None = None    # [start, end) of each tensor in the rank's numbering
     offload: object | None = None           # the stage's side of the tier contract (offload.py)
+    #: the units whose model-dtype shard the device step writes from the master (none when
+    #: the masters alias the shards or a tier publishes them; not those gathered from it)
+    published: list = field(default_factory=list)
 
 
 def make_masters(part) -> Masters:
@@ -53,6 +56,7 @@ def make_masters(part) -> Masters:
                        sub_group_ranges=offload.sub_group_ranges, offload=offload)
     total = sum(u.hi - u.lo for u in part.units)
     flat = torch.empty(total, dtype=torch.float32, device=part.device)
+    published = [u for u in part.units if not u.source.from_master]
     off = 0
     ranges = []
     for u in part.units:
@@ -62,7 +66,7 @@ def make_masters(part) -> Masters:
         ranges.append((off, off + n))
         off += n
     return Masters([u.master for u in part.units], [u.group for u in part.units], offloaded, alias, lazy_grads,
-                   flat=flat, sub_group_ranges=ranges)
+                   flat=flat, sub_group_ranges=ranges, published=published)
 
 
 def unit_groups(part) -> list[list]:

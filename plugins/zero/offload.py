@@ -1,4 +1,7 @@
-"""The stage's side of the offload contract (:mod:`zeroplug.tiers`).
+"""Where the optimizer's states are stepped: the stage's side of the offload contract
+(:mod:`zeroplug.tiers`, :class:`Offloaded`), or the training device (:class:`OnDevice`, which
+has nothing to wait for). The partitioner holds one of the two as ``states`` and calls it
+without asking which.
 
 The stage hands the tier its layout once, each unit's reduced gradient shard as it
 appears in backward, and asks it to step the sub-groups and (stage 3) to wait before a
@@ -23,6 +26,7 @@ class Offloaded:
         self.gpu_norm = part.run.config.batch.gradient_accumulation_steps == 1
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=part.device)
         self.waited: set[int] = set()     # sub-groups waited for since the step began
+        self.deferred: list = []          # run once the step in flight is waited for (after_step)
         units, sub_groups, off = [], [], 0
         for g in groups:
             start, pos = off, []
@@ -116,6 +120,53 @@ class Offloaded:
     def wait_all(self) -> None:
         self.tier.wait_all()
 
+    def wait(self, keep_speculation: bool = False) -> None:
+        """Every step in flight done (a speculation undone unless ``keep_speculation``), and
+        what :meth:`after_step` put off run."""
+        if not keep_speculation:
+            self.discard()
+        self.tier.wait_all()
+        deferred, self.deferred = self.deferred, []
+        for fn in deferred:
+            fn()
+
+    def after_step(self, now, late=None) -> None:
+        """Run ``now()`` once the step's values are in the shards.
+
+        Note: a tier whose step is still running when step() returns (the cpu tier's
+        overlapped step and delayed_update) writes this rank's shards when it is waited
+        for; ``now()`` would read the old values, so ``late()`` runs instead (default:
+        ``now()`` at the next :meth:`wait`)."""
+        if not self.pending:
+            now()
+        elif late is not None:
+            late()
+        else:
+            self.deferred.append(now)
+
     @property
     def pending(self) -> bool:
         return self.tier.in_flight()
+
+
+class OnDevice:
+    """States on the training device, stepped in engine.step(): nothing runs after it returns."""
+    pending = False
+
+    def discard(self) -> None:
+        pass
+
+    def prepare(self, optimizer) -> None:
+        pass
+
+    def wait(self, keep_speculation: bool = False) -> None:
+        pass
+
+    def after_step(self, now, late=None) -> None:
+        now()
+
+    def wait_unit(self, u) -> None:
+        pass
+
+    def unit_ready(self, u, by_timing: bool) -> bool:
+        return True

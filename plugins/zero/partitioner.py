@@ -12,6 +12,11 @@ stage    optimizer states   gradients             parameters
 Note: when the model is fp32 and the optimizer lives on the model's device, the
 master weights *are* this rank's slice of the model's flat buffer, and (stages 0-1)
 the master gradients are slices of the flat gradient buffer: no copies at all.
+
+What varies with the configuration is decided once, in ``setup``, into objects the hot
+methods call without testing a flag (modes.py): the gradient sink (``grads``,
+grad_sinks.py), each unit's parameter source (``u.source``, param_sources.py) and where
+the optimizer's states are stepped (``states``, offload.py).
 """
 from __future__ import annotations
 
@@ -19,13 +24,15 @@ import torch
 
 from zeroplug.errors import StateError
 from .flat_layout import FlatLayout
-from .groups import reduce_gradients, shard_mesh
-from .lp_grads import LowPrecisionGrads
+from .grad_sinks import choose_grad_sink
+from .groups import shard_mesh
 from zeroplug.param_groups import ParamGroups
-from zeroplug.slots import Partitioner, takes_grad_scale
-from zeroplug.tiers import all_exported, step_all
+from zeroplug.slots import Partitioner
+from zeroplug.tiers import all_exported
 
 from .masters import make_masters
+from .offload import OnDevice
+from .param_sources import choose_param_source
 from .partitioned_init import init_group
 from .options import ZeroOptions, bucket_elements, hidden_size
 from .unit import Unit
@@ -40,6 +47,7 @@ class FlatPartitioner(Partitioner):
     params_offloaded = False
     param_tier_units: frozenset = frozenset()   # units whose shard the param tier holds (stage 3)
     params_from_masters = False     # stage 3 gathers trainable units from host masters (stage3.py)
+    lp_from_master = False          # stage 3 gathers trainable units from their fp32 masters (stage3.py)
 
     # -- setup ----------------------------------------------------------------------
     def tier_elements(self, module):
@@ -73,9 +81,9 @@ class FlatPartitioner(Partitioner):
         o = self.options
         self.bucket_size = bucket_elements(o, h, None if self.shard_params else
                                            offload_optimizer.capabilities.granularity)
-        self._pending: list = []       # (unit, handle, out) reductions in flight
-        self._gather_late = False      # the shards change when the tier's step in flight ends
         self._prepare_module(module)
+        # each unit's parameter source, by kind (trainable or frozen): param_sources.py
+        self._sources = {kind: choose_param_source(self, kind) for kind in (True, False)}
         self.all_units = [self._make_unit(i, g) for i, g in enumerate(self._group_params(module))]
         for u in self.all_units:
             u.group = self.groups.index(u.params[0])
@@ -90,17 +98,23 @@ class FlatPartitioner(Partitioner):
         # pair every collective with the same unit's on the other ranks.
         self._reduce_order = self.units[::-1]
         self._next_reduce = 0
-        # Note: one rank, sharded gradients, masters on this device: nothing to reduce, so
-        # each gradient is added straight into the fp32 master gradient as it is produced;
-        # no bucket (4 bytes per element of the unit) ever exists.
-        self._direct_grads = (self.shard_grads and run.world_size == 1
-                              and not offload_optimizer.capabilities.offloaded)
-        self.lp_grads = None            # direct gradients kept in the model dtype (lp_grads.py)
+        # one rank reduces a unit as soon as its gradients are complete; several ranks in
+        # the fixed order, and every unit at the end of backward in that order too
+        several = self.comm.world_size > 1
+        self._ready = self._reduce_in_order if several else self._reduce
+        self._end_order = self._reduce_order if several else self.units
         m = make_masters(self)          # (masters.py)
         self.offloaded, self.alias, self.lazy_grads = m.offloaded, m.alias, m.lazy_grads
         self.master_flat, self.sub_group_ranges = m.flat, m.sub_group_ranges
         self.offload = m.offload        # the offloaded states (offload.py), when the tier offloads
+        self.states = m.offload if m.offload is not None else OnDevice()
         self._master_list, self._master_group = m.tensors, m.groups
+        self._published = m.published   # units whose model-dtype shard the device step writes
+        # units all-gathered after the step (stages 1-2: the shards it wrote; one shard: none)
+        self._gathered_after_step = self.units if self.layout_world > 1 else []
+        for u in self.units:
+            u.source.bind_master(u)
+        self.grads = choose_grad_sink(self)     # (grad_sinks.py; chosen again with the optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
 
@@ -143,7 +157,8 @@ class FlatPartitioner(Partitioner):
         layout = FlatLayout.build(params, self.layout_world)
         full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
         layout.copy_in(full, params)
-        unit = Unit(index, params, layout, full, self.layout_rank, sharded_params=False)
+        unit = Unit(index, params, layout, full, self.layout_rank, sharded_params=False,
+                    source=self._sources[params[0].requires_grad])
         unit.bind_params()
         if not self.shard_grads:      # persistent flat gradients; .grad are views
             unit.grad_flat = torch.zeros_like(full)
@@ -172,9 +187,20 @@ class FlatPartitioner(Partitioner):
             by_group.setdefault(g, []).append(t)
         return [{"params": ts, **settings[g]} for g, ts in sorted(by_group.items())]
 
+    @property
+    def lp_grads(self):
+        """The gradients kept in the model dtype until the step (lp_grads.py), or None."""
+        return self.grads.lp_grads
+
+    @lp_grads.setter
+    def lp_grads(self, value) -> None:
+        """Only None: the fp32 master-gradient sink instead (tests compare the two)."""
+        if value is not None:
+            raise ValueError("partitioner.lp_grads can only be set to None")
+        self.grads = choose_grad_sink(self)
+
     def before_forward(self) -> None:
-        if self.offload is not None:
-            self.offload.discard()    # a forward before the step: no speculated values in it
+        self.states.discard()    # a forward before the step: no speculated values in it
 
     # -- backward ---------------------------------------------------------------------
     def before_backward(self) -> None:
@@ -199,39 +225,14 @@ class FlatPartitioner(Partitioner):
 
     def _on_grad(self, p) -> None:
         u = self.unit_of[p]
-        i = u.position[p]
-        if self.lp_grads is not None:
-            self.lp_grads.keep(u, i, p.grad)
-            p.grad = None
-        elif self._direct_grads:
-            o, n = u.layout.offsets[i], u.layout.numels[i]
-            if u.master.grad is None:
-                u.master.grad = torch.zeros_like(u.master)
-            u.master.grad[o - u.lo:o - u.lo + n].view(u.layout.shapes[i]).add_(p.grad)
-            p.grad = None
-        elif self.shard_grads:
-            o, n = u.layout.offsets[i], u.layout.numels[i]
-            if u.bucket is None:
-                u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
-                u.bucket[o:o + n].view(u.layout.shapes[i]).copy_(p.grad)
-            else:       # grads of an earlier micro-step that were not reduced yet
-                u.bucket[o:o + n].view(u.layout.shapes[i]).add_(p.grad)
-            p.grad = None
-        elif p.grad is not u.grad_views[i]:
-            # Note: the user's model.zero_grad() (set_to_none) replaced the view of the
-            # flat gradient buffer; fold the new gradient in and restore the view.
-            u.grad_views[i].add_(p.grad)
-            p.grad = u.grad_views[i]
+        self.grads.take(u, u.position[p], p)
         u.pending -= 1
-        if u.pending == 0 and (self.shard_grads or self.run.at_boundary):
+        if u.pending == 0 and self.grads.reduces_now():
             self._ready(u)
 
-    def _ready(self, u: Unit) -> None:
-        """``u``'s gradients are complete: reduce it now, or (several ranks) once every unit
-        before it in the fixed order is reduced."""
-        if self.comm.world_size == 1:
-            self._reduce(u)
-            return
+    def _reduce_in_order(self, u: Unit) -> None:
+        """``u``'s gradients are complete: reduce it once every unit before it in the fixed
+        order is reduced (several ranks)."""
         u.ready = True
         order = self._reduce_order
         while self._next_reduce < len(order) and order[self._next_reduce].ready:
@@ -241,172 +242,48 @@ class FlatPartitioner(Partitioner):
                 self._reduce(v)
 
     def _reduce(self, u: Unit) -> None:
-        world = self.comm.world_size
         u.reduced = True
-        if self._direct_grads:      # already in the master gradient
-            self._after_reduce(u)
-            return
-        if self.shard_grads:
-            buf, u.bucket = u.bucket, None
-        else:
-            buf = u.grad_flat if self.rdtype == self.pdtype else u.grad_flat.to(self.rdtype)
-        if world > 1:
-            buf.mul_(1.0 / world)    # pre-divide: an fp16 sum of N ranks cannot overflow
-        if not self.shard_grads or world == 1:
-            handle = self.comm.all_reduce(buf, async_op=True)
-            out = buf
-        elif self.options.reduce_scatter:
-            out = torch.empty(u.hi - u.lo, dtype=buf.dtype, device=buf.device)
-            handle = reduce_gradients(self.mesh, out, buf)
-        else:
-            handle = self.comm.all_reduce(buf, async_op=True)
-            out = buf
-        if self.offload is not None:
-            # Note: for NCCL, wait() only orders the current stream after the collective;
-            # the host does not block, and the D2H copy then follows on a side stream.
-            handle.wait()
-            part = out if out.numel() == u.hi - u.lo else out[u.lo:u.hi]
-            self.offload.grad_ready(u, part, first_micro=not self.shard_grads or u.window_fresh)
-            u.window_fresh = False
-        else:
-            self._pending.append((u, handle, out))
-            # Note: at most two reductions in flight (as DeepSpeed's double-buffered
-            # buckets): draining the older ones frees their buckets during backward
-            # instead of holding a gradient-sized buffer per unit until the step. For NCCL
-            # the wait only orders the stream; the host does not block.
-            if not self.options.overlap_comm:
-                self._drain()
-            elif len(self._pending) > 2:
-                self._drain(len(self._pending) - 2)
+        self.grads.reduce(u)
         self._after_reduce(u)
 
     def _after_reduce(self, u: Unit) -> None:
         """Hook for stage 3: release the unit's gathered parameters."""
 
-    def _drain(self, count: int | None = None) -> None:
-        done = self._pending if count is None else self._pending[:count]
-        for u, handle, out in done:
-            handle.wait()
-            if not self.shard_grads:
-                if out is not u.grad_flat:
-                    u.grad_flat.copy_(out)
-                if not self.alias:
-                    if u.master.grad is None:
-                        u.master.grad = torch.empty_like(u.master)
-                    u.master.grad.copy_(u.grad_flat[u.lo:u.hi])
-            else:
-                part = out if out.numel() == u.hi - u.lo else out[u.lo:u.hi]
-                if u.master.grad is None:
-                    # the reduce-scatter's output becomes the master gradient when it is one
-                    # already (fp32, this rank's elements only); else a copy of this rank's part
-                    own = part is out and part.dtype == u.master.dtype and part.device == u.master.device
-                    u.master.grad = part if own else part.to(u.master.device, u.master.dtype, copy=True)
-                else:
-                    u.master.grad.add_(part.to(u.master.grad.device, non_blocking=True))
-        del self._pending[:len(done)]
-
     def finish_gradients(self) -> None:
         self.wait_optimizer(keep_speculation=True)
-        several = self.comm.world_size > 1
-        for u in (self._reduce_order if several else self.units):
-            if u.reduced:
-                continue
-            if self.shard_grads and u.bucket is None:
-                if several:     # every rank reduces every unit, in the same order
-                    u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
-                else:
-                    if self.offload is not None and u.window_fresh:
-                        self.offload.no_grad(u)   # offloaded grads are overwritten, not zeroed each step
-                    continue            # no gradient reached this unit in this window
-            self._reduce(u)
-        self._drain()
-        if self.offload is not None:
-            self.offload.wait_grads()
-        elif self.lazy_grads and self.lp_grads is None:
-            for u in self.units:      # no gradient in this window: a zero one, as if allocated
-                if u.master.grad is None:
-                    u.master.grad = torch.zeros_like(u.master)
+        for u in self._end_order:
+            if not u.reduced and self.grads.reduce_at_end(u):
+                self._reduce(u)
+        self.grads.finish()
 
     def grad_norm_sq(self) -> torch.Tensor:
-        if self.offload is not None:
-            sq = self.offload.take_norm_sq()
-            if sq is not None:
-                if self.layout_world > 1:       # (the replicas hold the same shards)
-                    self.shard_comm.all_reduce(sq)
-                return sq
-        if self.lp_grads is not None:
-            return self.lp_grads.norm_sq(self.device)
-        grads = [t.grad for t in self._master_list]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        norms = torch._foreach_norm(grads)
-        sq = torch.stack([n.float() for n in norms]).pow(2).sum()
-        if self.layout_world > 1:
-            sq = sq.to(self.device)
-            self.shard_comm.all_reduce(sq)
-        return sq
+        return self.grads.norm_sq()
 
     def zero_grad(self) -> None:
-        for u in self.units:
-            if u.grad_flat is not None:
-                u.grad_flat.zero_()
-            for p in u.trainable:
-                if self.shard_grads:
-                    p.grad = None
-        if self.lazy_grads:
-            for u in self.units:      # freed: allocated again as the next window's reductions land
-                u.master.grad = None
-        if self.lp_grads is not None:
-            self.lp_grads.clear()
-        # Note: offloaded master grads are overwritten by the next boundary's copies (and
-        # zeroed for units that got none), which saves a pass over host memory per step.
-        if self.offload is not None:
-            self.offload.discard()      # a speculation no step validated (overflow)
+        self.grads.zero()
         self.before_backward()
 
     # -- the optimizer step --------------------------------------------------------------
     def optimizer_built(self, optimizer) -> None:
-        if self.offload is not None:
-            self.offload.prepare(optimizer)
-        # Note: one rank, no accumulation, gradients straight into the masters: the fp32
-        # master gradient would be an exact widening of autograd's model-dtype gradient, so
-        # those are kept instead (2 bytes per parameter less at the end of backward, the
-        # stage's peak) and widened slice by slice in the step. Only with an optimizer that
-        # applies the step's multiplier itself: an in-place multiply would round them.
-        if (self._direct_grads and self.pdtype != torch.float32 and takes_grad_scale(optimizer)
-                and self.run.config.batch.gradient_accumulation_steps == 1):
-            self.lp_grads = LowPrecisionGrads(self.units)
+        self.states.prepare(optimizer)
+        self.grads = choose_grad_sink(self, optimizer)
 
     def step_optimizer(self, optimizer, grad_multiplier: float = 1.0) -> None:
         """Step the masters and publish them as model parameters."""
         self.release_all()
-        if self.offload is not None:
-            self.offload.step(optimizer, grad_multiplier)
-        else:
-            if self.lp_grads is not None:
-                self.lp_grads.step(optimizer, grad_multiplier)
-            else:
-                step_all(optimizer, grad_multiplier)
-            if not self.alias:
-                for u in self.units:
-                    if u.lp_source is None:     # (else gathered from the master on use)
-                        u.shard.copy_(u.master, non_blocking=True)
+        self.grads.step(optimizer, grad_multiplier)
+        for u in self._published:
+            u.shard.copy_(u.master, non_blocking=True)
         self.gather_after_step()
 
     def gather_after_step(self) -> None:
         """All-gather the shards the step wrote into every rank's whole parameters (stages 1-2;
         later, in ``wait_optimizer``, while a tier's step is still writing them)."""
-        if self.layout_world == 1:
-            return
-        if self.offload is not None and self.offload.pending:
-            # Note: a tier whose step is still running when step() returns (the cpu tier's
-            # delayed_update) writes this rank's shards when it is waited for; gathering now
-            # would copy the old values, so the gather waits for wait_optimizer().
-            self._gather_late = True
-            return
-        self._gather_late = False
+        self.states.after_step(self._gather_shards)
+
+    def _gather_shards(self) -> None:
         inflight, n = [], 0      # at most allgather_bucket_size elements in flight at once
-        for u in self.units:
+        for u in self._gathered_after_step:
             if inflight and n + u.numel > self.options.allgather_bucket_size:
                 for h in inflight:
                     h.wait()
@@ -418,12 +295,7 @@ class FlatPartitioner(Partitioner):
 
     def wait_optimizer(self, keep_speculation: bool = False) -> None:
         """``keep_speculation``: the step that validates it follows (else states read as before it)."""
-        if self.offload is not None:
-            if not keep_speculation:
-                self.offload.discard()
-            self.offload.wait_all()
-            if self._gather_late:
-                self.gather_after_step()
+        self.states.wait(keep_speculation)
 
     # -- views -------------------------------------------------------------------------
     def gathered_params(self, params=None, modifier_rank=None, check_writes: bool = False):
@@ -446,7 +318,7 @@ class FlatPartitioner(Partitioner):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors behind each memory category (zeroplug.observe.memory.memory_report)."""
         from .accounting import memory_tensors
-        return memory_tensors(self, self._master_list, [out for _, _, out in self._pending])
+        return memory_tensors(self, self._master_list, self.grads.in_flight())
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         from .accounting import state_tensors

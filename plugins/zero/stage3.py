@@ -27,8 +27,9 @@ from .partitioned_init import PartitionedInit, flush_pending, init_group, materi
 from .leaves import find_leaves, owners, reachable_params
 from .options import hidden_size
 from .groups import shard_mesh
-from .hpz import SecondaryShard, check_hpz
+from .hpz import SecondaryFirst, SecondaryShard, check_hpz
 from .partitioner import Stage2, check_materialized
+from .prefetch import choose_prefetch
 from .unit import FREE, INFLIGHT, READY, Unit
 
 
@@ -82,11 +83,6 @@ class Stage3(Stage2):
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
         super().setup(module, precision, offload_optimizer, offload_param, groups)
-        # Note: one rank (or a shard group of one) gathering from its masters: a gather is a cast
-        # on the compute stream, with no collective or upload to overlap or to save, so nothing is
-        # prefetched or kept gathered for reuse (the backward's casts cost less than holding the
-        # forward's tail)
-        self.cast_only = self.layout_world == 1 and self.lp_from_master and not self.params_from_masters
         self._setup_hpz(offload_optimizer)
         self.trace_prev: list[int] = []
         self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
@@ -94,15 +90,18 @@ class Stage3(Stage2):
         self._callback_queued = False
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
         self._stale: set[int] = set()   # persistent units to refill once their sub-group is stepped
+        # what is gathered ahead of use and kept for reuse (prefetch.py)
+        self.prefetch = choose_prefetch(self)
+        # what the step leaves to refill or to mark stale (hpZ secondary shards)
+        self._persistent = [u for u in self.units if u.persistent] if self.gathers_per_unit() else []
+        self._secondaries = [u.secondary for u in self.all_units if u.secondary is not None]
+        # the units without a model-dtype shard (filled from their masters for checkpoints)
+        self._from_master = [u for u in self.units if u.source.from_master]
         if self.params_offloaded:       # the shards the param tier holds between uses
-            held = [u for u in self.units if not u.persistent and self._tiered(u)]
+            held = [u for u in self.units if not u.persistent and u.source.tiered]
             self.param_tier_units = frozenset(u.index for u in held)
             offload_param.plan(Layout(units=tuple(UnitShard(u.index, 0, u.shard) for u in held),
                                       sub_groups=(), param_dtype=self.pdtype, device=self.device))
-        if self.lp_from_master:
-            for u in self.units:
-                u.lp_source = u.master
-                free_storage(u.shard)       # (refilled from the master for checkpoints)
         if not self.gathers_per_unit():
             return      # Note: one rank holds everything whole: no hooks, no gathers, stage 2's speed
         for m, params in owners(module, self.leaves):
@@ -134,6 +133,7 @@ class Stage3(Stage2):
         for u in self.all_units:
             if not u.persistent:
                 u.secondary = SecondaryShard(mesh.shard, u.layout.padded, self.pdtype, self.device)
+                u.source = SecondaryFirst(u.source)
 
     def _state_dict_pre_hook(self, module, prefix, keep_vars) -> None:
         """``module.state_dict()`` would hand out sharded parameters (no values): refuse."""
@@ -185,11 +185,12 @@ class Stage3(Stage2):
     def _make_unit(self, index, params) -> Unit:
         world, rank = self.layout_world, self.layout_rank
         group = init_group(params[0])
+        source = self._sources[params[0].requires_grad]
         # one rank keeps a unit whole (no gathers) unless it is gathered from its master
-        whole = world == 1 and not self.params_offloaded and not (self.lp_from_master and params[0].requires_grad)
+        whole = source.whole
         # the shard the param tier keeps (in host memory); gathered from its master instead, it
         # only seeds the master, on the device, and is freed after
-        tiered = self.params_offloaded and not (self.params_from_masters and params[0].requires_grad)
+        tiered = source.tiered
         if group is not None:
             layout, shard = group.layout, group.shard
             if layout.world_size != world or shard.dtype != self.pdtype:
@@ -217,7 +218,7 @@ class Stage3(Stage2):
             host = self.offload_param.empty(shard.numel(), self.pdtype)
             host.copy_(shard)
             shard = host
-        unit = Unit(index, params, layout, full, rank, sharded_params=not whole, shard=shard)
+        unit = Unit(index, params, layout, full, rank, sharded_params=not whole, shard=shard, source=source)
         unit.persistent = whole or layout.total <= self.persist_threshold
         unit.bind_params()
         if not unit.persistent:
@@ -237,66 +238,31 @@ class Stage3(Stage2):
             self.trace_prev, self.trace_cur = self.trace_cur, []
         self.release_all()
 
-    def _start(self, u: Unit) -> None:
-        if self.offload is not None:
-            self.offload.wait_unit(u)       # an overlapped step has published this unit
-        if self._tiered(u):
-            self.offload_param.fetch(u.index)
+    def begin_gather(self, u: Unit) -> None:
+        """Start gathering the released unit ``u``."""
+        self.states.wait_unit(u)       # an overlapped step has published this unit
+        u.source.fetch(u)
         u.start_gather(self.shard_comm, self.upload)
-
-    def _tiered(self, u: Unit) -> bool:
-        """Whether the param tier holds ``u``'s shard (else it is on the device, or gathered
-        from its master: stage3_params_from_masters)."""
-        return self.params_offloaded and not (self.params_from_masters and u.trainable)
 
     def _release(self, u: Unit) -> None:
         u.release()
-        if u.state == FREE and self._tiered(u):
-            self.offload_param.evict(u.index, u.upload_event)
+        u.source.evict(u)
 
     def _fetch(self, u: Unit) -> None:
         if u.index in self._stale:
             self._refill(u)
         if u.state == FREE:
-            self._start(u)
+            self.begin_gather(u)
         u.wait_gather()
 
     def _refill(self, u: Unit) -> None:
         """A persistent unit's whole copy, from its shard after an overlapped step."""
         self._stale.discard(u.index)
-        if self.offload is not None:
-            self.offload.wait_unit(u)
+        self.states.wait_unit(u)
         u.fill_full(self.shard_comm, self.upload).wait()
 
-    def _prefetch(self, order: list[int], start: int) -> None:
-        """Start gathers for the units after position ``start`` of ``order``."""
-        if self.cast_only:
-            return
-        budget, live = self.prefetch_size, self._live_numel()
-        first = True
-        for idx in order[start + 1:]:
-            u = self.all_units[idx]
-            if u.state != FREE:
-                first = False
-                continue
-            # Note: the next unit is always prefetched when live parameters allow, even if it
-            # is larger than the bucket (any bucket but 0): a whole block (12 x hidden^2) is
-            # larger than "auto"'s 0.9 x hidden^2 and than a DeepSpeed JSON's usual 5e7 at
-            # 1.3B, and a block never fetched ahead leaves every gather and upload on the
-            # critical path.
-            over = budget < u.numel and not (first and budget > 0)
-            if over or live + u.numel > self.options.stage3_max_live_parameters:
-                break
-            first = False
-            if self.offload is not None and not self.offload.unit_ready(u, by_timing=self.layout_world == 1):
-                break                           # its sub-group is still stepping: fetched on use
-            if not (self._tiered(u) and self.offload_param.prefetch(u.index)):
-                self._start(u)                  # (a shard out of memory is only read ahead)
-            self.prefetch_count += 1
-            budget -= u.numel
-            live += u.numel
-
-    def _live_numel(self) -> int:
+    def live_numel(self) -> int:
+        """Elements of the gathered (or in-flight) units that are not kept whole."""
         return sum(u.numel for u in self.all_units if not u.persistent and u.state != FREE)
 
     def _pre_forward(self, module, args) -> None:
@@ -309,7 +275,7 @@ class Stage3(Stage2):
                 self.trace_cur.append(u.index)
                 prev = self.trace_prev
                 if pos < len(prev) and prev[pos] == u.index:
-                    self._prefetch(prev, pos)
+                    self.prefetch.ahead(prev, pos)
 
     def _post_forward(self, module, args, output):
         units = self.units_of_module[module]
@@ -331,7 +297,7 @@ class Stage3(Stage2):
                     if torch.is_tensor(t) and t.requires_grad:
                         t.register_hook(lambda grad, m=module: self._post_backward_frozen(m))
         for u in units:
-            if not self._reused_soon(u, backward_follows):
+            if not self.prefetch.reused_soon(u, backward_follows):
                 self._release(u)
 
     def _expect_grads(self, module, units, outs, args) -> None:
@@ -386,27 +352,6 @@ class Stage3(Stage2):
                 return
         self.release_all()
 
-    def _reused_soon(self, u: Unit, backward_follows: bool = False) -> bool:
-        """Whether ``u`` runs again within stage3_max_reuse_distance elements of execution,
-        following the recorded order (as DeepSpeed counts it, backward included).
-
-        Note: the backward visits the units in reverse, starting with the last ones of
-        the forward: the tail of the forward (the head, the last blocks) is needed again
-        after 2 x the elements that follow it, so it stays gathered instead of being
-        freed and uploaded again (with offloaded parameters: an H2D on the backward's
-        critical path)."""
-        if self.cast_only:
-            return False
-        prev, pos = self.trace_prev, len(self.trace_cur)
-        dist = 0
-        for idx in prev[pos:]:
-            if idx == u.index:
-                return dist <= self.options.stage3_max_reuse_distance
-            dist += self.all_units[idx].numel
-        # the backward's reuse is predicted only while this forward follows the recorded one
-        return (backward_follows and 2 * dist <= self.options.stage3_max_reuse_distance
-                and 0 < pos <= len(prev) and prev[:pos] == self.trace_cur)
-
     def _pre_backward(self, module) -> None:
         if not self._callback_queued:
             self._callback_queued = True
@@ -415,7 +360,7 @@ class Stage3(Stage2):
             self._fetch(u)
             order = self.trace_cur[::-1]
             if u.index in order:
-                self._prefetch(order, order.index(u.index))
+                self.prefetch.ahead(order, order.index(u.index))
 
     def _after_reduce(self, u: Unit) -> None:
         self._release(u)
@@ -432,7 +377,8 @@ class Stage3(Stage2):
 
     # -- after the optimizer ------------------------------------------------------------
     def gathers_per_unit(self) -> bool:
-        return not (self.layout_world == 1 and not self.params_offloaded and not self.lp_from_master)
+        """Whether trainable units are gathered on use (else one rank keeps them whole)."""
+        return not self._sources[True].whole
 
     def wait_optimizer(self, keep_speculation: bool = False) -> None:
         super().wait_optimizer(keep_speculation)
@@ -442,23 +388,24 @@ class Stage3(Stage2):
     def gather_after_step(self) -> None:
         """Only persistent units are kept whole; the others are gathered at their next use
         (an hpZ secondary shard is stale now: that gather goes across every rank)."""
-        for u in self.all_units:
-            if u.secondary is not None:
-                u.secondary.fresh = False
-        if self.offload is not None and self.offload.pending:
-            self._stale.update(u.index for u in self.units if u.persistent)   # refilled on use
-            return
-        if self.gathers_per_unit():
-            persistent = [u for u in self.units if u.persistent]
-            handles = [u.fill_full(self.shard_comm, self.upload) for u in persistent]
-            for h in handles:
-                h.wait()
+        for sec in self._secondaries:
+            sec.fresh = False
+        self.states.after_step(self._fill_persistent, late=self._mark_stale)
+
+    def _fill_persistent(self) -> None:
+        handles = [u.fill_full(self.shard_comm, self.upload) for u in self._persistent]
+        for h in handles:
+            h.wait()
+
+    def _mark_stale(self) -> None:
+        """A tier's step still writes the shards: persistent units are refilled on use."""
+        self._stale.update(u.index for u in self.units if u.persistent)
 
     def checkpoint_state(self, optimizer=None, parts=None) -> dict:
         """Parameter shards out of memory with a ``parts`` writer: read in one sub-group's units
         at a time, their pieces written into that sub-group's part file (see checkpointing.py).
         Without one: every shard in and the export copied."""
-        if self.lp_from_master:
+        if self._from_master:
             with self._lp_shards():     # the pieces' model-dtype values: copies that outlive the shards
                 out = super().checkpoint_state(optimizer, parts=parts)
                 for pieces in out["pieces"].values():
@@ -479,7 +426,7 @@ class Stage3(Stage2):
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         """import_state fills a shard out of memory one unit at a time; model-dtype shards
         that the masters replace exist for the load only."""
-        if not self.lp_from_master:
+        if not self._from_master:
             return super().load_checkpoint_state(states, optimizer, **flags)
         with self._lp_shards():
             return super().load_checkpoint_state(states, optimizer, **flags)
@@ -487,7 +434,7 @@ class Stage3(Stage2):
     @contextmanager
     def _lp_shards(self):
         """The model-dtype shards of the units gathered from their masters, for the block."""
-        units = [u for u in self.units if u.lp_source is not None]
+        units = self._from_master
         for u in units:
             alloc_storage(u.shard)
             u.shard.copy_(u.lp_source)
@@ -504,7 +451,7 @@ class Stage3(Stage2):
         units = units_of(self, params)
         for u in units:
             if u.state == FREE:
-                self._start(u)
+                self.begin_gather(u)
         for u in units:
             u.wait_gather()
         try:

@@ -110,21 +110,13 @@ def cast_upload(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[s:e].copy_(buf[:e - s])
 
 
-class _EventHandle:
-    """An upload on a side stream: waiting orders the current stream after it."""
-
-    def __init__(self, event, device):
-        self.event, self.device = event, device
-
-    def wait(self) -> bool:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-        return True
-
-
 class Unit:
     def __init__(self, index: int, params: list[torch.nn.Parameter], layout: FlatLayout,
-                 full: torch.Tensor, rank: int, sharded_params: bool, shard: torch.Tensor | None = None):
+                 full: torch.Tensor, rank: int, sharded_params: bool, shard: torch.Tensor | None = None,
+                 source=None):
         self.index = index
+        #: where its gathered parameters come from (param_sources.py), decided at setup
+        self.source = source
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.position = {p: i for i, p in enumerate(params)}   # keyed by identity
@@ -183,63 +175,18 @@ class Unit:
         self.state = INFLIGHT
 
     def fill_full(self, comm, upload=None):
-        """Gather every rank's shard into ``full``; a shard offloaded to host memory is
-        uploaded first, on the ``upload`` stream when there is one; a unit without a
-        model-dtype shard gathers its master, cast (one rank: cast straight into ``full``).
-        A unit with a current hpZ secondary shard gathers that, within its group."""
-        sec = self.secondary
-        if sec is not None and sec.fresh:
-            return sec.comm.all_gather(self.full, sec.values, async_op=True)
-        if self.lp_source is not None:
-            if self.lp_source.device != self.full.device:
-                return self._upload_master(comm, upload)
-            src = self.lp_source if comm.world_size == 1 else self.lp_source.to(self.full.dtype)
-            return comm.all_gather(self.full, src, async_op=True)
-        src = self.shard
-        if src.device != self.full.device:
-            if upload is None:
-                src = src.to(self.full.device)
-            else:
-                cur = torch.cuda.current_stream(self.full.device)
-                upload.wait_stream(cur)
-                with torch.cuda.stream(upload):
-                    if comm.world_size == 1:
-                        self.full.copy_(src, non_blocking=True)
-                        self.full.record_stream(upload)
-                        self.upload_event = upload.record_event()
-                        return _EventHandle(self.upload_event, self.full.device)
-                    src = src.to(self.full.device, non_blocking=True)
-                    src.record_stream(upload)
-                    self.upload_event = upload.record_event()
-                cur.wait_stream(upload)
-        return comm.all_gather(self.full, src, async_op=True)
-
-    def _upload_master(self, comm, upload):
-        """The fp32 master in host memory, uploaded in chunks on ``upload`` and cast into the
-        model-dtype shard on the device (one rank: ``full`` itself), then gathered."""
-        dev = self.full.device
-        cur = torch.cuda.current_stream(dev)
-        upload = upload if upload is not None else cur
-        upload.wait_stream(cur)
-        with torch.cuda.stream(upload):
-            n = self.hi - self.lo
-            dst = self.full[:n] if comm.world_size == 1 else torch.empty(n, dtype=self.full.dtype, device=dev)
-            cast_upload(dst, self.lp_source)
-            self.upload_event = upload.record_event()
-            if comm.world_size == 1:
-                self.full.record_stream(upload)
-                return _EventHandle(self.upload_event, dev)
-        cur.wait_stream(upload)
-        dst.record_stream(cur)
-        return comm.all_gather(self.full, dst, async_op=True)
+        """Start filling ``full`` from this unit's source (:mod:`.param_sources`: every rank's
+        shard gathered, a shard in host memory uploaded first on the ``upload`` stream, the
+        fp32 master cast; an hpZ secondary shard gathered within its group); returns a handle
+        to wait on."""
+        return self.source.fill(self, comm, upload)
 
     def wait_gather(self) -> None:
         if self.state == INFLIGHT:
             self.gather_handle.wait()
             self.gather_handle = None
             self.state = READY
-            if self.secondary is not None and not self.secondary.fresh:
-                self.secondary.keep(self.full)      # later gathers, until the next step: in the group
+            self.source.gathered(self)
             for p in self.params:
                 p.__class__ = torch.nn.Parameter
 
