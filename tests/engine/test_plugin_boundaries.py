@@ -125,7 +125,15 @@ def _module_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = engine_size.package_of(path, name)
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        # Note: imports under ``if TYPE_CHECKING:`` exist for annotations only (the hookspecs
+        # name the Engine they receive); they never run, so they close no circle.
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name in modules)
             elif isinstance(node, ast.ImportFrom):
