@@ -166,15 +166,15 @@ class Engine:
         if window is not None:
             self.gradient_accumulation_steps = window
         self.hook.zeroplug_phase(engine=self, phase="backward")
-        self.run.at_boundary = self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
-        self.run.first_micro_step = self.micro_steps_in_window == 0
+        at_boundary = self.micro_steps_in_window + 1 >= self.gradient_accumulation_steps
         scaled = loss.float() / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         self.metrics.backward(loss)
-        if self.run.at_boundary:        # the tier may step during this backward
+        if at_boundary:        # the tier may step during this backward
             self.background_saves.wait_copied()
-        self.partitioner.before_backward()
+        self.partitioner.before_backward(at_boundary=at_boundary,
+                                         first_micro_step=self.micro_steps_in_window == 0)
         self._lr_kept = self.get_lr()       # the lr a skipped step keeps (a speculation sets the next)
-        if self.run.at_boundary and self.offload_optimizer.speculate(self.optimizer, self.precision.loss_scale):
+        if at_boundary and self.offload_optimizer.speculate(self.optimizer, self.precision.loss_scale):
             self.set_lr(self.scheduler.lr_at(self.lr_step))     # the step's: its tier may start it now
         self.precision.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.micro_step += 1

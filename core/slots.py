@@ -42,11 +42,6 @@ class RunContext:
     comm: Comm
     config: Any                      # zeroplug.config.Config: every slot's choice and options
     hook: Any = None                 # the plugin manager's hook relay
-    # set by the engine while a backward runs: True on the micro-step that ends
-    # gradient accumulation (reductions happen then for stages 0-1) ...
-    at_boundary: bool = True
-    # ... and True on the first micro-step of an accumulation window
-    first_micro_step: bool = True
     # why the training state is no longer consistent (an optimizer step failed part-way;
     # set by the engine, or by a tier whose step finishes after engine.step() returns);
     # None while it is. Cleared by loading a checkpoint.
@@ -271,8 +266,12 @@ class Partitioner:
     def before_forward(self) -> None:
         """Called by ``engine(...)`` before each forward."""
 
-    def before_backward(self) -> None:
-        """Called by ``engine.backward`` before each backward (``run.at_boundary`` is set)."""
+    def before_backward(self, at_boundary: bool = True, first_micro_step: bool = True) -> None:
+        """Called by ``engine.backward`` before each backward.
+
+        :param at_boundary: this micro-step ends the gradient-accumulation window (stages 0-1
+            reduce their gradients then).
+        :param first_micro_step: this micro-step opens the window (its reductions overwrite)."""
 
     def finish_gradients(self) -> None:
         raise NotImplementedError

@@ -198,7 +198,7 @@ class FlatGrads(GradSink):
             p.grad = u.grad_views[i]
 
     def reduces_now(self) -> bool:
-        return self.part.run.at_boundary       # the flat gradients accumulate the window
+        return self.part.at_boundary       # the flat gradients accumulate the window
 
     def reduce(self, u) -> None:
         handle, out = self.launch(u, u.grad_flat.to(self.rdtype))

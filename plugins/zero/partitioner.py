@@ -44,6 +44,7 @@ class FlatPartitioner(Partitioner):
     shard_optimizer = False
     shard_grads = False
     shard_params = False
+    at_boundary = True              # this backward ends the accumulation window (before_backward)
     params_offloaded = False
     param_tier_units: frozenset = frozenset()   # units whose shard the param tier holds (stage 3)
     params_from_masters = False     # stage 3 gathers trainable units from host masters (stage3.py)
@@ -203,9 +204,10 @@ class FlatPartitioner(Partitioner):
         self.states.discard()    # a forward before the step: no speculated values in it
 
     # -- backward ---------------------------------------------------------------------
-    def before_backward(self) -> None:
+    def before_backward(self, at_boundary: bool = True, first_micro_step: bool = True) -> None:
         self._check_trainability()
-        if self.run.first_micro_step:
+        self.at_boundary = at_boundary      # read by the gradient sink during this backward
+        if first_micro_step:
             for u in self.units:
                 u.window_fresh = True     # its first reduction in this window overwrites
         for u in self.units:

@@ -313,8 +313,8 @@ class Stage3(Stage2):
             if u.trainable:
                 u.expect = (u.expect or set()) | {id(p) for p in u.trainable if id(p) in reached}
 
-    def before_backward(self) -> None:
-        super().before_backward()
+    def before_backward(self, at_boundary: bool = True, first_micro_step: bool = True) -> None:
+        super().before_backward(at_boundary, first_micro_step)
         for u in self.units:
             u.partial = bool(u.expect)    # (nothing reached: left to the end of backward)
             if u.partial:
