@@ -14,7 +14,6 @@ from pathlib import Path
 import zeroplug
 
 from zeroplug.errors import StepFailedError, ZeroplugError
-from zeroplug.observe.memory import allocation_failure, memory_available
 
 #: the packaged default configuration (what ``zeroplug train`` reads without --config or ./zero.toml)
 DEFAULT_CONFIG = Path(zeroplug.__file__).with_name("zero.toml")
@@ -28,7 +27,7 @@ def add_parser(sub) -> None:
     t.add_argument("--data", help="train on this text file instead of the stdlib corpus")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
                    help="cpu (default), cuda, or auto (cuda when present)")
-    from .models import PRESETS
+    from .presets import PRESETS
     t.add_argument("--model", default="char-tiny", choices=list(PRESETS), metavar="PRESET",
                    help=f"model preset: {', '.join(PRESETS)} (default char-tiny: byte-level, 0.8 M "
                         "parameters; the others are GPT-2-style sizes with a 50,304 vocabulary)")
@@ -111,6 +110,7 @@ def _check_train_args(args) -> None:
 
 
 def cmd_train(args, overrides) -> int:
+    _check_train_args(args)         # before torch's import: a mistyped number fails at once
     # Note: the largest models fit only when freed blocks can be regrown in place; without
     # expandable segments the caching allocator's fragmentation cost a 4.9B model its last GiB
     # on the H100 (docs/benchmarks.md, "Peak GPU memory beside PyTorch FSDP2"). Read at the first
@@ -121,11 +121,10 @@ def cmd_train(args, overrides) -> int:
     from zeroplug import config as config_mod
     from zeroplug.checkpoint import directory as checkpoint_dir
     from zeroplug.engine import initialize, make_run
+    from zeroplug.observe.memory import allocation_failure, memory_available
 
     from .data import ByteBatches, load_text, min_corpus_bytes, stdlib_corpus
     from .models import GPT, get_preset
-
-    _check_train_args(args)
 
     device = args.device
     if device == "auto":
