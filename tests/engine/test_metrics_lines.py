@@ -8,7 +8,7 @@ import textwrap
 
 from zeroplug.plugins.monitors import NO_RATE
 
-TRAIN = [sys.executable, "-m", "zeroplug.cli", "train", "--max-bytes", "40000", "--seq", "16",
+TRAIN = [sys.executable, "-m", "zeroplug.cli", "train", "--no-save", "--max-bytes", "40000", "--seq", "16",
          "--batch.micro_batch_size=2", "--batch.steps_per_print=1"]
 
 
@@ -24,6 +24,8 @@ def test_first_step_line_reports_no_rate_under_cpu_offload(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = _lines(out.stdout)
     assert sorted(lines) == [1, 2, 3], out.stdout
+    assert "zero=stage1 precision=fp32 optimizer=adamw scheduler=warmup_cosine offload.optimizer=cpu " \
+           "offload.param=none" in out.stdout.splitlines()[0]         # the summary names the tiers
     assert NO_RATE in lines[1] and "CurrSamplesPerSec" not in lines[1] and "tokens/s" not in lines[1]
     for step in (2, 3):
         rate = float(re.search(r"CurrSamplesPerSec=([\d.]+)", lines[step]).group(1))
