@@ -86,7 +86,7 @@ def cmd_estimate(args, overrides) -> int:
     forms = STATE_DTYPES if args.state_dtype == "all" else (args.state_dtype,)
     for stage in (0, 1, 2, 3):
         for off_opt, off_par in ((False, False), (True, False), (True, True)):
-            if off_par and stage < 3 or off_opt and stage == 0:
+            if off_par and stage < 3:
                 continue
             for form in forms if off_opt else ("fp32",):
                 e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
