@@ -177,9 +177,12 @@ def fit_schedule(given: dict, steps: int, source, overrides, pm) -> tuple[dict, 
     t = raw.setdefault("scheduler", {}) if "total_num_steps" in fields or "warmup_num_steps" in fields else {}
     lines, comments = [], {}
     follows = "warmup_num_steps" in fields          # warm-up bounded by the run (WarmupLR has no length)
+    # a DeepSpeed config's "auto" arrives translated to a number: the launcher's length is --steps here
+    translated = getattr(given, "translation", None)
+    ds_auto = translated is not None and any(k == "scheduler.total_num_steps" for _, k, _ in translated.autos)
     if "total_num_steps" in fields:
         total = t.get("total_num_steps", AUTO)
-        if total == AUTO:
+        if total == AUTO or ds_auto:
             t["total_num_steps"] = steps
             comments["scheduler.total_num_steps"] = f"{steps} in this run (its --steps)"
         else:

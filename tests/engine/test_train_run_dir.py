@@ -107,6 +107,15 @@ def test_steps_set_the_schedule_length_and_warm_up_is_shortened(tmp_path, monkey
                     "the run stops 295 steps before the lr's decay ends; set it to \"auto\" to follow --steps"]
     assert _lr(out, 5) > 1.9e-3                               # early in a 300-step cosine
 
+    # a DeepSpeed config's "auto" length is the launcher's: --steps
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", '
+                                      '"params": {"lr": 2e-3}}, "scheduler": {"type": "WarmupCosineLR", "params": '
+                                      '{"total_num_steps": "auto", "warmup_num_steps": 2}}}')
+    assert main([*args, "--config", "ds.json", "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "note: scheduler.total_num_steps" not in out
+    assert _lr(out, 5) == pytest.approx(2e-3 * 1e-4)
+
 
 def test_estimate_has_the_stage0_offload_row(capsys):
     """Stage 0 offloads (as usage.md says): every rank's host holds all the states."""
