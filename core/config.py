@@ -54,7 +54,8 @@ class BatchOptions:
 @dataclass(frozen=True)
 class CheckpointOptions:
     """Checkpoints that `zeroplug train` writes."""
-    dir: str = opt("", "Directory for checkpoints written by `zeroplug train`; empty disables them.")
+    dir: str = opt("", "Directory for checkpoints written by `zeroplug train`; empty: its run directory's "
+                       "checkpoints/ (none with --no-save).")
     every_n_steps: int = opt(0, "Save a checkpoint every N optimizer steps; 0 disables.", min=0)
     keep_last: int = opt(0, "Keep only the K newest checkpoints; 0 keeps all.", min=0)
     async_save: bool = opt(

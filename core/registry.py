@@ -21,6 +21,9 @@ from .errors import PluginError
 from .options import suggest
 
 ENTRY_POINT_GROUP = "zeroplug"
+#: the entry points of zeroplug's own distribution that add ``zeroplug`` subcommands (named in
+#: ``ENTRY_POINT_GROUP`` too): the command line loads them without the other built-in plugins
+COMMANDS_GROUP = "zeroplug.commands"
 
 #: slot name (as in TOML) -> registration hook name
 SLOTS = {
@@ -67,15 +70,16 @@ class PluginManager:
         if load_entry_points:
             self.load_entry_points(builtin_only)
 
-    def load_entry_points(self, builtin_only: bool = False) -> None:
-        """The plugins of the entry-point group (``builtin_only``: those zeroplug ships)."""
+    def load_entry_points(self, builtin_only: bool = False, skip=None) -> None:
+        """The plugins of the entry-point group (``builtin_only``: those zeroplug ships;
+        ``skip(ep)`` True: not that one)."""
         allow = _env_list(ALLOW_ENV)
         block = _env_list(BLOCK_ENV) or set()
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             name = ep.name.casefold()
             if name in block or (allow is not None and name not in allow):
                 continue
-            if self.pm.has_plugin(ep.name) or builtin_only and (ep.dist is None or ep.dist.name != "zeroplug"):
+            if self.pm.has_plugin(ep.name) or builtin_only and not _builtin(ep) or skip is not None and skip(ep):
                 continue
             try:
                 module = ep.load()
@@ -167,6 +171,10 @@ class PluginManager:
         return sorted(rows, key=lambda r: r["name"])
 
 
+def _builtin(ep) -> bool:
+    return ep.dist is not None and ep.dist.name == "zeroplug"
+
+
 _default: PluginManager | None = None
 
 
@@ -176,6 +184,22 @@ def get_plugin_manager() -> PluginManager:
     if _default is None:
         _default = PluginManager()
     return _default
+
+
+def command_plugin_manager() -> PluginManager:
+    """The plugins asked for ``zeroplug_add_commands`` while the command line is built: the
+    process-wide manager once it is loaded; else one without zeroplug's own plugins that add
+    no command (the stages, tiers and optimizers, whose import brings in torch), so that
+    ``zeroplug --help`` starts in a fraction of a second. Every other distribution's plugins
+    load as always, so a third party's commands are found without any declaration."""
+    if _default is not None:
+        return _default
+    commands = {ep.name for ep in metadata.entry_points(group=COMMANDS_GROUP) if _builtin(ep)}
+    if not commands:        # metadata of an install older than the group: every plugin
+        return get_plugin_manager()
+    pm = PluginManager(load_entry_points=False)
+    pm.load_entry_points(skip=lambda ep: _builtin(ep) and ep.name not in commands)
+    return pm
 
 
 def reset_plugin_manager() -> None:

@@ -15,6 +15,11 @@ os.environ.setdefault("ZEROPLUG_DEVICE", "cpu")
 # (see above), and spawned ranks inherit it. tests/offload/test_cpu_adam_threads.py clears it.
 os.environ.setdefault("ZEROPLUG_CPU_ADAM_THREADS", "1")
 
+# Note: `zeroplug train` writes a run directory (runs/<time>-<model>/) by default; the suite's
+# runs write none unless a test names one (--run-dir), so the checkout stays clean.
+# tests/engine/test_train_run_dir.py clears it.
+os.environ.setdefault("ZEROPLUG_NO_SAVE", "1")
+
 
 #: node ids of the default run's longest cases (tests/slow_cases.txt): marked slow at collection
 _SLOW_CASES = frozenset(

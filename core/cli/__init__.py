@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from zeroplug.errors import ZeroplugError
-from zeroplug.observe.memory import allocation_failure, memory_available
 
 
 def _split_overrides(argv):
@@ -87,7 +86,7 @@ def cmd_estimate(args, overrides) -> int:
     forms = STATE_DTYPES if args.state_dtype == "all" else (args.state_dtype,)
     for stage in (0, 1, 2, 3):
         for off_opt, off_par in ((False, False), (True, False), (True, True)):
-            if off_par and stage < 3 or off_opt and stage == 0:
+            if off_par and stage < 3:
                 continue
             for form in forms if off_opt else ("fp32",):
                 e = estimate_model_states(n, stage, args.world_size, args.param_bytes, off_opt, off_par,
@@ -188,8 +187,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zeroplug", description="Plugin-based ZeRO training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
-    from zeroplug.registry import get_plugin_manager
-    get_plugin_manager().hook.zeroplug_add_commands(subparsers=sub)    # train: the workload plugin
+    from zeroplug.registry import command_plugin_manager
+    command_plugin_manager().hook.zeroplug_add_commands(subparsers=sub)    # train: the workload plugin
     x = sub.add_parser("export", help="write a checkpoint's consolidated model state dict (.pt or .safetensors)")
     x.add_argument("checkpoint", help="a checkpoint directory (its 'latest' tag) or one tag's directory")
     x.add_argument("out", help="output file (.safetensors, or .pt / .bin for torch.save's format) or a directory")
@@ -259,6 +258,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except MemoryError as exc:
+        from zeroplug.observe.memory import memory_available
         print(f"error: out of host memory ({exc or 'MemoryError'}){memory_available()}: use a smaller model, "
               "more ranks, or offload less", file=sys.stderr)
         return 2
@@ -266,6 +266,7 @@ def main(argv=None) -> int:
         print("error: an input is nested more deeply than it can be (RecursionError)", file=sys.stderr)
         return 2
     except RuntimeError as exc:
+        from zeroplug.observe.memory import allocation_failure, memory_available
         line = allocation_failure(exc)
         if line is None:
             raise

@@ -21,10 +21,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from zeroplug.errors import ZeroplugError
+
+if TYPE_CHECKING:
+    import torch
 
 GiB = 1024 ** 3
 #: the usable share of free memory or disk in the estimates (allocator slack, buffers)
@@ -108,6 +110,8 @@ class Machine:
 
 
 def read_machine(device: torch.device, nvme_path: str | None) -> Machine:
+    import torch
+
     from zeroplug.observe.memory import host_available_bytes
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -230,6 +234,8 @@ class TuneResult:
 def tune(spec, micro_batch: int, seq: int, device: torch.device, nvme_path: str | None = None,
          steps: int = 3, warmup: int = 2, max_candidates: int = 8, lr: float = 1e-4,
          activation_bytes: float | None = None, log=print) -> TuneResult:
+    import torch
+
     from zeroplug.benchmarking.measure import run_steps
     from zeroplug.tools.probe import Activations, measure_activations
     t0 = time.perf_counter()
@@ -345,6 +351,8 @@ def render(result: TuneResult, command: str) -> str:
 def cmd_tune(args) -> int:
     import shlex
     import sys
+
+    import torch
 
     from zeroplug.tools.probe import load_spec
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -22,15 +22,25 @@ FIELDS = ("step", "loss", "lr", "loss_scale", "grad_norm", "samples_per_sec", "a
           *(f"phase_{p}" for p in PHASES), "eval_loss")
 
 
+#: in place of the rates on the first step measured (zeroplug.observe.metrics says why)
+NO_RATE = "(no rate on a first step: its overlapped work ends in the next)"
+
+
 def format_line(m: dict) -> str:
     """DeepSpeed's fields, one line: what seed 004's users grep for (the GPU memory fields on a
-    GPU run only)."""
+    GPU run only; tokens/s where the inputs have a sequence dimension; no rate on the first
+    step measured)."""
     gpu = "" if m.get("mem_allocated") is None else (
         f"MemAllocated={m['mem_allocated'] / GB:.2f}GB MaxMemAllocated={m['max_mem_allocated'] / GB:.2f}GB ")
+    if m.get("samples_per_sec") is None:
+        rate = f"{NO_RATE} "
+    else:
+        rate = (f"CurrSamplesPerSec={m['samples_per_sec']:.2f} "
+                f"RunningAvgSamplesPerSec={m['avg_samples_per_sec']:.2f} "
+                + (f"tokens/s={m['tokens_per_sec']:.0f} " if m.get("tokens_per_sec") is not None else ""))
     return (f"[zeroplug] step={m['step']} loss={m['loss']:.4f} lr={m['lr']:.3e} "
             f"loss_scale={m['loss_scale']:g} grad_norm={m['grad_norm']:.3f} "
-            f"CurrSamplesPerSec={m['samples_per_sec']:.2f} RunningAvgSamplesPerSec={m['avg_samples_per_sec']:.2f} "
-            f"tokens/s={m['tokens_per_sec']:.0f} {gpu}RSS={m['host_rss'] / GB:.2f}GB"
+            f"{rate}{gpu}RSS={m['host_rss'] / GB:.2f}GB"
             + (f" skipped={m['skipped_steps']}" if m.get("skipped_steps") else ""))
 
 

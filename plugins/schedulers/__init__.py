@@ -6,6 +6,10 @@ step skipped for overflow does not advance it): ``lr_at(t)`` is DeepSpeed's
 least 2 steps long (``max(2, warmup_num_steps)``). One deliberate difference:
 past ``total_num_steps`` the cosine stays at ``cos_min_ratio`` (DeepSpeed's rises
 again along the cosine).
+
+``total_num_steps = "auto"`` is the run's length, which the loop that knows it fills in
+before the config is read: ``zeroplug train`` from ``--steps``. A schedule that reaches
+the engine with "auto" still in it is refused: a user's own loop names its length.
 """
 from __future__ import annotations
 
@@ -61,14 +65,27 @@ class Warmup(Scheduler):
         return lo + (self.max_lr - lo) * self._gamma(step)
 
 
+def check_length(path: str, total, warmup: int) -> None:
+    """A schedule's length: a number of steps no shorter than its warm-up ("auto" filled in)."""
+    if total == AUTO:
+        raise ConfigError(f"{path}.total_num_steps = \"auto\" is the run's length, which `zeroplug train` fills in "
+                          f"from --steps; a loop of your own (or the Trainer's, Lightning's) sets it to its number "
+                          f"of optimizer steps, e.g. {path}.total_num_steps = 10000", key=f"{path}.total_num_steps")
+    if total < warmup:
+        raise ConfigError(f"{path}.total_num_steps = {total} is smaller than warmup_num_steps = {warmup}; "
+                          f"raise it", key=f"{path}.total_num_steps")
+
+
+_LENGTH_HELP = "; \"auto\" = the run's length (`zeroplug train`: its --steps)"
+
+
 @dataclass(frozen=True)
 class WarmupDecayOptions(WarmupOptions):
-    total_num_steps: int = opt(10000, "Step at which the lr has decayed linearly back to warmup_min_lr.", min=1)
+    total_num_steps: int | Literal["auto"] = opt(
+        10000, "Step at which the lr has decayed linearly back to warmup_min_lr" + _LENGTH_HELP + ".", min=1)
 
     def validate(self, path: str) -> None:
-        if self.total_num_steps < self.warmup_num_steps:
-            raise ConfigError(f"{path}.total_num_steps = {self.total_num_steps} is smaller than "
-                              f"warmup_num_steps = {self.warmup_num_steps}; raise it", key=f"{path}.total_num_steps")
+        check_length(path, self.total_num_steps, self.warmup_num_steps)
 
 
 class WarmupDecay(Warmup):
@@ -84,16 +101,15 @@ class WarmupDecay(Warmup):
 
 @dataclass(frozen=True)
 class WarmupCosineOptions:
-    total_num_steps: int = opt(10000, "Step at which the cosine reaches cos_min_ratio.", min=1)
+    total_num_steps: int | Literal["auto"] = opt(
+        10000, "Step at which the cosine reaches cos_min_ratio" + _LENGTH_HELP + ".", min=1)
     warmup_num_steps: int = opt(1000, "Steps of warm-up (at least 2 are used, as in DeepSpeed).", min=0)
     warmup_min_ratio: float = opt(0.0, "lr / optimizer.lr at step 0.", min=0.0, max=1.0)
     cos_min_ratio: float = opt(1e-4, "lr / optimizer.lr at the end of the cosine.", min=0.0, max=1.0)
     warmup_type: Literal["log", "linear"] = opt("log", "Shape of the warm-up curve.")
 
     def validate(self, path: str) -> None:
-        if self.total_num_steps < self.warmup_num_steps:
-            raise ConfigError(f"{path}.total_num_steps = {self.total_num_steps} is smaller than "
-                              f"warmup_num_steps = {self.warmup_num_steps}; raise it", key=f"{path}.total_num_steps")
+        check_length(path, self.total_num_steps, self.warmup_num_steps)
 
 
 class WarmupCosine(Scheduler):

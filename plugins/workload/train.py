@@ -14,31 +14,40 @@ from pathlib import Path
 import zeroplug
 
 from zeroplug.errors import StepFailedError, ZeroplugError
-from zeroplug.observe.memory import allocation_failure, memory_available
+
+from . import rundir
+from .rundir import NO_SAVE_ENV
 
 #: the packaged default configuration (what ``zeroplug train`` reads without --config or ./zero.toml)
 DEFAULT_CONFIG = Path(zeroplug.__file__).with_name("zero.toml")
 
 
+#: what ``zeroplug train`` does without the option (and without ``--resume RUN``)
+DEFAULTS = {"model": "char-tiny", "seq": None, "data": None, "seed": 0, "max_bytes": None,
+            "activation_checkpointing": False, "device": "cpu", "steps": 300}
+
+
 def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train the built-in GPT on a text corpus (default: the stdlib's sources)",
-                       epilog="Any --section.key=value overrides the config, e.g. --zero.plugin=stage2")
+                       epilog="Any --section.key=value overrides the config, e.g. --zero.plugin=stage2. "
+                              "The run is written to runs/<date>-<time>-<model>/ (see --run-dir).")
     t.add_argument("--config", help="TOML (or DeepSpeed JSON) config; default: ./zero.toml, else the packaged one")
-    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    t.add_argument("--steps", type=int, help="optimizer steps (default 300; with --resume RUN: the run's). They set "
+                                             "the schedule's length where scheduler.total_num_steps is \"auto\" "
+                                             "(the packaged zero.toml) or not set")
     t.add_argument("--data", help="train on this text file instead of the stdlib corpus")
-    t.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+    t.add_argument("--device", choices=["cpu", "cuda", "auto"],
                    help="cpu (default), cuda, or auto (cuda when present)")
-    from .models import PRESETS
-    t.add_argument("--model", default="char-tiny", choices=list(PRESETS), metavar="PRESET",
+    from .presets import PRESETS
+    t.add_argument("--model", choices=list(PRESETS), metavar="PRESET",
                    help=f"model preset: {', '.join(PRESETS)} (default char-tiny: byte-level, 0.8 M "
                         "parameters; the others are GPT-2-style sizes with a 50,304 vocabulary)")
     t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    t.add_argument("--activation-checkpointing", action="store_true",
+    t.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="checkpoint every block (its activations are recomputed in the backward); on by itself "
                         "when [activation_checkpointing] picks a store other than \"none\" (e.g. "
                         "--activation_checkpointing.plugin=cpu: the blocks' inputs wait in host memory)")
-    t.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the batch order "
-                                                       "(default 0)")
+    t.add_argument("--seed", type=int, help="seeds the model's initial weights and the batch order (default 0)")
     t.add_argument("--max-bytes", type=int, default=None, help="cap the corpus size")
     t.add_argument("--collective-timeout", type=float, metavar="SECONDS",
                    help="under torchrun: a collective that waits this long for another rank fails and "
@@ -46,10 +55,17 @@ def add_parser(sub) -> None:
     t.add_argument("--async-save", action="store_true",
                    help="write each checkpoint in the background while training goes on (the same as "
                         "--checkpoint.async_save=true; docs/reliability.md)")
-    t.add_argument("--resume", nargs="?", const="latest", metavar="auto|TAG",
-                   help="continue from the checkpoint that [checkpoint] dir's 'latest' names (if there is "
-                        "one); =auto: or, if that one is missing or corrupt, from the newest that verifies; "
-                        "=TAG: from that one")
+    t.add_argument("--run-dir", "--output-dir", dest="run_dir", metavar="DIR",
+                   help="where the run is written (default runs/<date>-<time>-<model>/): its resolved config "
+                        "(config.toml), one CSV row per step (metrics.csv), the final checkpoint (checkpoints/) "
+                        "and zeroplug report's picture (report.png)")
+    t.add_argument("--no-save", action="store_true",
+                   help=f"write no run directory (scripts and test suites; {NO_SAVE_ENV}=1 makes it the default)")
+    t.add_argument("--resume", nargs="?", const="latest", metavar="RUN|auto|TAG",
+                   help="RUN: continue the run in that directory (its config, model and data; --steps N trains "
+                        "it to step N). Without a run directory: from the checkpoint that [checkpoint] dir's "
+                        "'latest' names (if there is one); =auto: or, if that one is missing or corrupt, from "
+                        "the newest that verifies; =TAG: from that one")
     t.set_defaults(fn=cmd_train)
 
 
@@ -110,7 +126,119 @@ def _check_train_args(args) -> None:
             raise ZeroplugError(f"{flag} {value}: must be a positive number (e.g. {flag} {example})")
 
 
+def _plan_run(args) -> tuple[Path | None, dict | None, bool]:
+    """(the run directory ``--resume`` continues, its run.json, whether this run is saved) from
+    --resume, --run-dir and --no-save; ``args`` gets the run's choices (or the defaults) for the
+    options not given."""
+    resumed, saved_args = None, None
+    if args.resume not in (None, "latest", "auto") and Path(args.resume).is_dir():
+        if not rundir.is_run(args.resume):
+            raise ZeroplugError(f"--resume {args.resume!r} is a directory but not a run's (no {rundir.RUN} in it): "
+                                "name a run directory (runs/...) or a checkpoint tag of [checkpoint] dir")
+        resumed = Path(args.resume)
+        for flag, value in (("--config", args.config), ("--run-dir", args.run_dir), ("--no-save", args.no_save)):
+            if value:
+                raise ZeroplugError(f"--resume {args.resume} continues that run with its own config and directory: "
+                                    f"drop {flag} (change a key with --section.key=value)")
+        saved_args = rundir.read_args(resumed)
+    if args.no_save and args.run_dir:
+        raise ZeroplugError("--no-save and --run-dir contradict each other: keep one")
+    for name, default in rundir_defaults(saved_args).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    saving = resumed is not None or args.run_dir is not None or not (
+        args.no_save or os.environ.get(NO_SAVE_ENV, "").strip() not in ("", "0"))
+    return resumed, saved_args, saving
+
+
+def rundir_defaults(saved_args: dict | None) -> dict:
+    """The value of each run option not given: the continued run's, else the default."""
+    out = dict(DEFAULTS)
+    if saved_args is not None:
+        out.update({k: v for k, v in saved_args["args"].items() if k in DEFAULTS})
+    return out
+
+
+def fit_schedule(given: dict, steps: int, source, overrides, pm) -> tuple[dict, list[str], dict]:
+    """The config with the schedule's length taken from ``steps`` where it is "auto" or not set,
+    and a warm-up that would not fit such a run shortened; the lines to print and the comments
+    for config.toml. A length the config sets itself wins, with a line that says so."""
+    import copy
+
+    from zeroplug.config import SLOT_TABLES
+    from zeroplug.options import AUTO, fields_of
+    table = given.get("scheduler")
+    name = table.get("plugin", SLOT_TABLES["scheduler"][1]) if isinstance(table, dict) else SLOT_TABLES["scheduler"][1]
+    reg = pm.registry().get("scheduler", {}).get(name) if isinstance(name, str) else None
+    if reg is None:             # resolve names the unknown plugin
+        return given, [], {}
+    fields = fields_of(reg.impl.Options)
+    raw = copy.deepcopy(given)
+    t = raw.setdefault("scheduler", {}) if "total_num_steps" in fields or "warmup_num_steps" in fields else {}
+    lines, comments = [], {}
+    follows = "warmup_num_steps" in fields          # warm-up bounded by the run (WarmupLR has no length)
+    # a DeepSpeed config's "auto" arrives translated to a number: the launcher's length is --steps here
+    translated = getattr(given, "translation", None)
+    ds_auto = translated is not None and any(k == "scheduler.total_num_steps" for _, k, _ in translated.autos)
+    if "total_num_steps" in fields:
+        total = t.get("total_num_steps", AUTO)
+        if total == AUTO or ds_auto:
+            t["total_num_steps"] = steps
+            comments["scheduler.total_num_steps"] = f"{steps} in this run (its --steps)"
+        else:
+            follows = False
+            if isinstance(total, int) and not isinstance(total, bool) and total != steps:
+                where = ("the command line" if any(o.startswith("--scheduler.total_num_steps=") for o in overrides)
+                         else str(source))
+                lines.append(f"note: scheduler.total_num_steps = {total} ({where}) sets the schedule's length, not "
+                             f"--steps {steps}: " + (f"the run stops {total - steps} steps before the lr's decay ends"
+                                                     if total > steps else
+                                                     f"the lr stays at its final value from step {total} on")
+                             + "; set it to \"auto\" to follow --steps")
+    if follows:
+        f = fields["warmup_num_steps"][0]
+        warm = t.get("warmup_num_steps", f.default)
+        short = max(1, steps // 10)
+        if isinstance(warm, int) and not isinstance(warm, bool) and warm >= steps and warm > short:
+            t["warmup_num_steps"] = short
+            lines.append(f"note: scheduler.warmup_num_steps = {warm} does not fit --steps {steps}: the warm-up is "
+                         f"shortened to {short} step{'s' if short > 1 else ''} (a tenth of the run)")
+            comments["scheduler.warmup_num_steps"] = f"{short} in this run (shortened to fit --steps {steps})"
+    return raw, lines, comments
+
+
+def _summary(cfg) -> str:
+    """Every slot's chosen plugin, offload tiers included (``zero=stage2 offload.optimizer=cpu ...``)."""
+    return " ".join(f"{path}={choice.name}" for path, choice in cfg.slots.items())
+
+
+def _attach_csv(engine, path: Path):
+    """The run's metrics.csv: the "csv" monitor beside the configured one, for this engine's
+    life. None (with a note) where no plugin provides it."""
+    from zeroplug.options import build_options
+    reg = engine.plugin_manager.registry().get("monitor", {}).get("csv")
+    if reg is None:
+        if engine.run.rank == 0:
+            print(f"note: no \"csv\" monitor is loaded (ZEROPLUG_PLUGINS_BLOCK?): {path} is not written", flush=True)
+        return None
+    monitor = reg.impl(build_options(reg.impl.Options, {"path": str(path)}, "monitor"), engine.run)
+    engine.plugin_manager.attach(monitor, RUN_MONITOR)
+    engine.monitors.append(monitor)     # the engine records every step's readings for it
+    return monitor
+
+
+#: the plugin-manager name of the run directory's CSV monitor
+RUN_MONITOR = "zeroplug-train-run-csv"
+
+
+def _quote(path) -> str:
+    import shlex
+    return shlex.quote(str(path))
+
+
 def cmd_train(args, overrides) -> int:
+    resumed, saved_args, saving = _plan_run(args)
+    _check_train_args(args)         # before torch's import: a mistyped number fails at once
     # Note: the largest models fit only when freed blocks can be regrown in place; without
     # expandable segments the caching allocator's fragmentation cost a 4.9B model its last GiB
     # on the H100 (docs/benchmarks.md, "Peak GPU memory beside PyTorch FSDP2"). Read at the first
@@ -121,11 +249,11 @@ def cmd_train(args, overrides) -> int:
     from zeroplug import config as config_mod
     from zeroplug.checkpoint import directory as checkpoint_dir
     from zeroplug.engine import initialize, make_run
+    from zeroplug.observe.memory import allocation_failure, memory_available
+    from zeroplug.registry import get_plugin_manager
 
     from .data import ByteBatches, load_text, min_corpus_bytes, stdlib_corpus
     from .models import GPT, get_preset
-
-    _check_train_args(args)
 
     device = args.device
     if device == "auto":
@@ -135,19 +263,24 @@ def cmd_train(args, overrides) -> int:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed_from_env(device, args.collective_timeout)
-    cfg_path = args.config or (Path("zero.toml") if Path("zero.toml").is_file() else DEFAULT_CONFIG)
+    if resumed is not None:
+        cfg_path = resumed / rundir.CONFIG
+    else:
+        cfg_path = args.config or (Path("zero.toml") if Path("zero.toml").is_file() else DEFAULT_CONFIG)
     raw = _read_config_file(cfg_path)
     if device == "cuda" and "precision" not in raw and not any(o.startswith("--precision.") for o in overrides):
         overrides = ["--precision.plugin=bf16", *overrides]       # the GPU default
     if args.async_save:
         overrides = [*overrides, "--checkpoint.async_save=true"]
-    cfg, run, _ = make_run(config_mod.apply_overrides(raw, overrides), device=device)
+    pm = get_plugin_manager()
+    given = config_mod.apply_overrides(raw, overrides, pm)     # what the file and the command line set
+    fitted, schedule_lines, schedule_comments = fit_schedule(given, args.steps, cfg_path, overrides, pm)
+    cfg, run, _ = make_run(fitted, device=device)
     rank, world = run.rank, run.world_size
-    if rank == 0:
-        print(f"zeroplug train: config {cfg_path} | zero={cfg.slot('zero').name} "
-              f"precision={cfg.slot('precision').name} optimizer={cfg.slot('optimizer').name} "
-              f"world_size={world} device={device} micro_batch={cfg.batch.micro_batch_size} "
-              f"accumulation={cfg.batch.gradient_accumulation_steps}", flush=True)
+    ck = cfg.checkpoint
+    if args.resume and resumed is None and not ck.dir:
+        raise ZeroplugError("--resume needs a run directory (--resume runs/<run>) or a checkpoint directory "
+                            "([checkpoint] dir, e.g. --checkpoint.dir=ckpt)")
 
     try:
         if args.data:
@@ -167,19 +300,46 @@ def cmd_train(args, overrides) -> int:
         raise ZeroplugError(f"{what}: {len(corpus):,} bytes is too small for one training window of {seq + 1} "
                             f"bytes plus a held-out part of one window: give at least {min_corpus_bytes(seq):,} "
                             f"bytes of text, or a shorter --seq")
-    ck = cfg.checkpoint
-    if ck.dir:      # checked and locked before any training that a bad directory would lose
-        checkpoint_dir.hold_on_rank0(run.comm, ck.dir, args)
-    torch.manual_seed(args.seed)
+
+    run_dir, error = None, None
+    if saving and rank == 0:
+        try:
+            run_dir = resumed or rundir.claim(Path(args.run_dir) if args.run_dir else None, args.model)
+        except ZeroplugError as exc:
+            error = str(exc)
+    run_dir, error = run.comm.broadcast_object((run_dir, error), src=0)
+    if error is not None:
+        raise ZeroplugError(error)
+    ck_dir = ck.dir or (str(run_dir / rundir.CHECKPOINTS) if run_dir is not None else "")
+    if rank == 0:
+        where = f"run {run_dir} | " if run_dir is not None else ""
+        print(f"zeroplug train: {where}config {cfg_path} | {_summary(cfg)} | world_size={world} device={device} "
+              f"micro_batch={cfg.batch.micro_batch_size} accumulation={cfg.batch.gradient_accumulation_steps}",
+              flush=True)
+        for line in schedule_lines:
+            print(line, flush=True)
+    fresh = run_dir is not None and resumed is None and args.run_dir is None
     try:
-        model = GPT(mcfg)
-        engine = initialize(model, cfg, device=device)
-    except RuntimeError as exc:
-        line = allocation_failure(exc)
-        if line is None:
-            raise
-        raise ZeroplugError(f"--model {args.model} does not fit this host's memory ({line}){memory_available()}: "
-                            "use a smaller --model, more ranks, or offload less") from None
+        if ck_dir:      # checked and locked before any training that a bad directory would lose
+            checkpoint_dir.hold_on_rank0(run.comm, ck_dir, args)
+        torch.manual_seed(args.seed)
+        try:
+            model = GPT(mcfg)
+            engine = initialize(model, cfg, device=device)
+        except RuntimeError as exc:
+            line = allocation_failure(exc)
+            if line is None:
+                raise
+            raise ZeroplugError(f"--model {args.model} does not fit this host's memory ({line})"
+                                f"{memory_available()}: use a smaller --model, more ranks, or offload less") from None
+    except BaseException:
+        if fresh and rank == 0 and not any(run_dir.iterdir()):
+            run_dir.rmdir()             # a run that never started leaves no directory
+        raise
+    if run_dir is not None:
+        if rank == 0:
+            _write_run_files(run_dir, given, cfg, schedule_comments, args, cfg_path, overrides, world, saved_args)
+        _attach_csv(engine, run_dir / rundir.METRICS)
     data = ByteBatches(corpus, cfg.batch.micro_batch_size, seq, seed=args.seed, rank=rank,
                        world_size=world, device=device)
     if rank == 0:
@@ -196,7 +356,7 @@ def cmd_train(args, overrides) -> int:
 
     start = 0
     if args.resume:
-        got = _resume(engine, ck.dir, args.resume)
+        got = _resume(engine, ck_dir, "auto" if resumed is not None else args.resume)
         if got is not None:
             path, client = got
             start = int(client.get("step", 0))
@@ -205,10 +365,13 @@ def cmd_train(args, overrides) -> int:
             if rank == 0:
                 print(f"resumed from {path} at step {start}", flush=True)
         elif rank == 0:
-            print(f"--resume: no checkpoint in {ck.dir} yet; starting at step 0", flush=True)
+            print(f"--resume: no checkpoint in {ck_dir} yet; starting at step 0", flush=True)
+    if start >= args.steps and rank == 0:
+        print(f"the run is at step {start} already (--steps {args.steps}): nothing to train; --steps N with N > "
+              f"{start} trains it further", flush=True)
 
     def save(done: int) -> None:
-        path = engine.save_checkpoint(ck.dir, client_state={"step": done, "data": data.state_dict()})
+        path = engine.save_checkpoint(ck_dir, client_state={"step": done, "data": data.state_dict()})
         if rank == 0 and not progress.tty:
             later = " (being written in the background)" if engine.background_saves.in_flight() else ""
             print(f"checkpoint {path}{later}", file=sys.stderr, flush=True)
@@ -224,6 +387,7 @@ def cmd_train(args, overrides) -> int:
     first = last = None
     gas = cfg.batch.gradient_accumulation_steps
     saved = start
+    periodic = bool(ck_dir and ck.every_n_steps)
     try:
         for step in range(start, args.steps):
             total = 0.0
@@ -238,15 +402,16 @@ def cmd_train(args, overrides) -> int:
             progress.update(step + 1, total)
             if (step + 1) % eval_every == 0 and step + 1 < args.steps:
                 log_eval(step + 1, eval_loss())
-            if ck.dir and ck.every_n_steps and (step + 1) % ck.every_n_steps == 0:
+            if periodic and (step + 1) % ck.every_n_steps == 0:
                 save(step + 1)
                 saved = step + 1
-        if ck.dir and ck.every_n_steps and saved != args.steps:
+        if (periodic or run_dir is not None) and saved < args.steps:      # the final checkpoint
             save(args.steps)
+            saved = args.steps
     except ZeroplugError as exc:
         if engine.run.failed is None or isinstance(exc, StepFailedError):
             raise
-        where = (f"the last checkpoint in {ck.dir} (step {saved}) with --resume" if ck.dir and saved
+        where = (f"the last checkpoint in {ck_dir} (step {saved}) with --resume" if ck_dir and saved
                  else "the start (no checkpoint was saved)")
         raise ZeroplugError(f"{exc} The step failed part-way, so nothing is saved from it; once fixed, "
                             f"continue from {where}") from None
@@ -258,15 +423,61 @@ def cmd_train(args, overrides) -> int:
                             f"died or stopped responding (torchrun's summary names it), so the job stops; "
                             f"continue from the last checkpoint with --resume") from None
     end_eval = eval_loss()
-    log_eval(args.steps, end_eval)
+    log_eval(max(start, args.steps), end_eval)
     engine.close()
+    engine.plugin_manager.detach(RUN_MONITOR)
     checkpoint_dir.release(args)
     if rank == 0 and first is not None:
         print(f"train loss: first step {first:.4f} -> last step {last:.4f}")
         print(f"held-out loss: start {start_eval:.4f} -> end {end_eval:.4f} "
               f"({'lower' if end_eval < start_eval else 'NOT lower'}; "
               f"{start_eval / math.log(2):.2f} -> {end_eval / math.log(2):.2f} bits per byte)")
+    if rank == 0 and run_dir is not None:
+        _finish(run_dir, ck_dir, max(start, args.steps))
     return 0
+
+
+def _write_run_files(run_dir: Path, given, cfg, comments, args, cfg_path, overrides, world, saved_args) -> None:
+    """config.toml and run.json, at the start (a run stopped part-way keeps them)."""
+    import zeroplug
+    from zeroplug.config import CORE_TABLES, SLOT_TABLES
+    now = time.strftime("%Y-%m-%d %H:%M:%S")
+    header = [f"zeroplug train's configuration of the run in {run_dir} ({now}),",
+              f"from {cfg_path}" + (f" and the command line's {' '.join(overrides)}" if overrides else "") + ".",
+              "Active lines: what the file and the command line set (\"auto\" kept, the value the run used",
+              "beside it); commented lines: every other option, at the value the run used.",
+              f"Continue the run: zeroplug train --resume {_quote(run_dir)} --steps N",
+              f"A new run from it: zeroplug train --config {_quote(run_dir / rundir.CONFIG)}"]
+    if not cfg.checkpoint.dir:
+        comments = {**comments, "checkpoint.dir": f"this run: {rundir.CHECKPOINTS}/ here"}
+    text = rundir.config_toml(given, cfg, header, comments, SLOT_TABLES, CORE_TABLES)
+    (run_dir / rundir.CONFIG).write_text(text)
+    choices = {k: getattr(args, k) for k in DEFAULTS}
+    if choices["data"]:         # --resume from another directory finds it
+        choices["data"] = str(Path(choices["data"]).resolve())
+    record = {"zeroplug": zeroplug.__version__, "started": (saved_args or {}).get("started", now), "updated": now,
+              "args": choices, "overrides": list(overrides), "config_source": str(cfg_path), "world_size": world}
+    rundir.write_json(run_dir / rundir.RUN, record)
+
+
+def _finish(run_dir: Path, ck_dir: str, steps: int) -> None:
+    """Draw the picture and end with where the run is, how to continue it and how to look at it."""
+    from zeroplug.tools.report import report
+    try:
+        picture, missing = report(run_dir), None
+    except ZeroplugError as exc:
+        picture, missing = None, str(exc)
+    inside = Path(ck_dir).resolve().is_relative_to(run_dir.resolve()) if ck_dir else False
+    held = ["config.toml", "metrics.csv"] + ([f"{rundir.CHECKPOINTS}/"] if inside else []) + \
+        (["report.png"] if picture else [])
+    elsewhere = "" if inside else f"; checkpoints in {ck_dir}"
+    q = _quote(run_dir)
+    print(f"run saved:   {run_dir}/ ({', '.join(held)}{elsewhere})")
+    print(f"continue it: zeroplug train --resume {q} --steps {2 * steps}")
+    if picture:
+        print(f"look at it:  {picture} (zeroplug report {q} draws it again)")
+    else:
+        print(f"look at it:  zeroplug report {q} ({missing})")
 
 
 def _collective_failure(exc: BaseException) -> bool:
@@ -282,8 +493,8 @@ def _resume(engine, directory, choice):
     newest that verifies) or ``--resume=TAG``; None when the directory holds none yet."""
     from zeroplug.checkpoint import CheckpointError, resume
     if not directory:
-        raise ZeroplugError("--resume needs a checkpoint directory: set [checkpoint] dir "
-                            "(e.g. --checkpoint.dir=ckpt)")
+        raise ZeroplugError("--resume needs a run directory (--resume runs/<run>) or a checkpoint directory "
+                            "([checkpoint] dir, e.g. --checkpoint.dir=ckpt)")
     tag = None if choice in ("latest", "auto") else choice
     try:
         return resume(engine, directory, tag, fallback=choice == "auto")

@@ -32,7 +32,7 @@ LAST = re.compile(r"train loss: first step ([0-9.]+) -> last step ([0-9.]+)")
 
 
 def command(mode: str, dtype: str) -> list[str]:
-    base = [sys.executable, "-m", "zeroplug.cli", "train", "--seed", "0", f"--optimizer.state_dtype={dtype}"]
+    base = [sys.executable, "-m", "zeroplug.cli", "train", "--no-save", "--seed", "0", f"--optimizer.state_dtype={dtype}"]
     if mode == "cpu":
         return base + ["--steps", "300", "--device", "cpu", "--optimizer.plugin=cpu_adam"]
     return base + ["--steps", "200", "--device", "cuda", "--model", "1.3B", "--seq", "1024",

@@ -22,7 +22,7 @@ def test_pack_round_trip_is_exact_and_smaller():
 
 
 def test_trains_through_the_cli():
-    out = subprocess.run([sys.executable, "-m", "zeroplug.cli", "train", "--steps", "3", "--max-bytes", "200000",
+    out = subprocess.run([sys.executable, "-m", "zeroplug.cli", "train", "--no-save", "--steps", "3", "--max-bytes", "200000",
                           "--offload.optimizer.plugin=compressed", "--zero.plugin=stage2", "--monitor.plugin=none"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
