@@ -300,3 +300,5 @@ def zeroplug_register_optimizers(register):
     register("sgd", SGD)
     register("cpu_adam", CPUAdam)
     register("auto", AutoOptimizer)
+    from .muon import Muon
+    register("muon", Muon)

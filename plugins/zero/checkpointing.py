@@ -228,13 +228,15 @@ def export_state(part, optimizer=None, parts=None) -> dict:
                     ptier.evict(i)
             for _, pc in by_k[k]:
                 pc["part"] = name
+        # Note: the element-wise states of every master (an optimizer may hold different ones
+        # for different masters: Muon's momentum beside AdamW's two moments); the scalars of
+        # the first one, which every master shares
         for t in masters:
             st = states.get(t) or {}
-            if st:
+            if st and not out["optim_keys"]:
                 out["optim_scalars"] = {k: v for k, v in st.items()
                                         if not _elementwise(v, t) and not is_absmax(st, k)}
-                out["optim_keys"] = {k: _dtype_name(v.dtype) for k, v in st.items() if _elementwise(v, t)}
-                break
+            out["optim_keys"].update({k: _dtype_name(v.dtype) for k, v in st.items() if _elementwise(v, t)})
         if optimizer is not None and optimizer.param_groups:    # hyper-parameters: the same in every group
             out["optim_groups"] = [{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}]
     if run.rank == 0:
@@ -421,9 +423,12 @@ def _walk(part, states, optimizer, load_master: bool, want_opt: bool, where: str
             for (k, key), n in opt_filled.items():
                 if n != need[k]:
                     raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
-            for k, key in ((k, key) for k in need for key in keys):
-                if opt_filled.get((k, key), 0) != need[k]:
-                    raise CheckpointError(f"checkpoint {where}: optimizer state {key!r} is incomplete")
+            # a master needs the states its pieces were saved with (each piece holds its
+            # master's): none at all, where the checkpoint has some, is a gap
+            filled = {k for k, _ in opt_filled}
+            if keys and any(k not in filled for k in need):
+                raise CheckpointError(f"checkpoint {where}: optimizer states {', '.join(map(repr, keys))} "
+                                      "are incomplete")
             if dry:
                 check_optimizer(where, optimizer, opt_seen, keys, groups)
                 return
@@ -458,7 +463,9 @@ def _fill_streamed(part, states, optimizer, later, new_state, fill, keys: dict, 
     for k, t in enumerate(masters):
         with tier.import_(k, optimizer):
             st = new_state[k]
-            for key, dt in keys.items():        # every state the checkpoint has, also for padding
+            # a sub-group of pieces gets the states its pieces hold (``fill``); one of padding
+            # alone, every state the checkpoint has
+            for key, dt in (keys.items() if not later[k] else ()):
                 if dt in ("int8", "uint8") and plan.exact(k, key):
                     codes_buffers(optimizer, t, key, getattr(torch, dt), st)
                 else:

@@ -22,6 +22,7 @@ from .flat_layout import FlatLayout
 from .groups import reduce_gradients, shard_mesh
 from .lp_grads import LowPrecisionGrads
 from zeroplug.param_groups import ParamGroups
+from zeroplug.shard_map import bind_shard_map
 from zeroplug.slots import Partitioner, takes_grad_scale
 from zeroplug.tiers import all_exported, step_all
 
@@ -366,6 +367,8 @@ class FlatPartitioner(Partitioner):
 
     # -- the optimizer step --------------------------------------------------------------
     def optimizer_built(self, optimizer) -> None:
+        from .shard_map import build_shard_map
+        bind_shard_map(optimizer, lambda: build_shard_map(self))     # an optimizer of whole tensors (Muon)
         if self.offload is not None:
             self.offload.prepare(optimizer)
         # Note: one rank, no accumulation, gradients straight into the masters: the fp32
