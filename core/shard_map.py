@@ -18,6 +18,7 @@ every rank, in one order).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -72,3 +73,14 @@ def bind_shard_map(optimizer, build) -> None:
     (``build`` is not called otherwise)."""
     if isinstance(optimizer, ShardMapOptimizer):
         optimizer.bind_shard_map(build())
+
+
+def check_training_thread(shard_map: ShardMap, who: str) -> None:
+    """Refuse a step that would issue the map's collectives off the training thread with
+    several ranks (a tier's step on a worker thread, e.g. the cpu tier's delayed_update): they
+    would interleave with the training thread's own collectives in a different order on each rank."""
+    if shard_map.comm.world_size > 1 and threading.current_thread() is not threading.main_thread():
+        from .errors import StateError
+        raise StateError(f"{who} exchanges whole tensors between the ranks in its step, which must run on the "
+                         "training thread; a step on a worker thread (offload.optimizer.delayed_update) cannot "
+                         "take it: set delayed_update = false")

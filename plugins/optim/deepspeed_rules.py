@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroplug.options import opt
+from zeroplug.shard_map import check_training_thread
 from zeroplug.slots import OptimizerFactory
 
 
@@ -120,6 +121,7 @@ class Lamb(torch.optim.Optimizer):
                         sums[i, 1] += update[a:a + k].double().square().sum()
                 comm = self.shard_map.comm if self.shard_map is not None else None
                 if comm is not None and comm.world_size > 1:
+                    check_training_thread(self.shard_map, "Lamb")
                     wire = sums.to(self.shard_map.device)
                     comm.all_reduce(wire)
                     sums = wire.to(p.device)

@@ -34,6 +34,7 @@ import torch
 from zeroplug.errors import ConfigError
 from zeroplug.options import opt
 from zeroplug.param_groups import ParamGroups
+from zeroplug.shard_map import check_training_thread
 from zeroplug.slots import OptimizerFactory
 
 from .newton_schulz import (
@@ -287,6 +288,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """This rank's shard of every matrix's orthogonalised update (the shard's layout, in
         the orthogonaliser's dtype, on ``t``'s device)."""
         smap = self.shard_map
+        check_training_thread(smap, "Muon")
         comm, world = smap.comm, smap.comm.world_size
         dev = smap.device
         dtype = input_dtype(self.rule, self.ns_method, self.ns_dtype)
