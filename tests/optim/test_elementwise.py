@@ -60,12 +60,6 @@ CASES["lamb-stage3-offload"] = (3, CASES["lamb"][1], True)
 _RESULTS: dict = {}
 
 
-def results():
-    if not _RESULTS:
-        _RESULTS.update(run_ranks(run_cases, 2, CASES, STEPS)[0])
-    return _RESULTS
-
-
 def _make(case):
     if case in TORCH:
         return lambda ps: getattr(torch.optim, case)(ps, lr=LR, **TORCH[case])
@@ -73,9 +67,21 @@ def _make(case):
     return lambda ps: cls(ps, **kw)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# run in the default suite (one spawn); the rest with -m slow (a second spawn)
+DEFAULT = ("Adagrad", "RMSprop", "SGD", "lion", "lamb", "ds_adagrad")
+
+
+def _result(case):
+    slow = case not in DEFAULT
+    if slow not in _RESULTS:
+        names = [k for k in CASES if (k not in DEFAULT) == slow]
+        _RESULTS[slow] = run_ranks(run_cases, 2, {k: CASES[k] for k in names}, STEPS)[0]
+    return _RESULTS[slow][case]
+
+
+@pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_sharded_matches_whole(case):
-    losses, state = results()[case]
+    losses, state = _result(case)
     want_losses, want = reference(_make(case), STEPS)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
     assert worst <= TOL, f"{case}: losses differ by {worst:.3g}"

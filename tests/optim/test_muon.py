@@ -50,14 +50,18 @@ DEEPSPEED_RULE = {"stage3-dsrule-standard": dict(stage=3, rule="deepspeed", ns_m
 CASES.update(DEEPSPEED_RULE)
 ONE_RANK = ("stage1-fp32ns", "stage3-offload-fp32ns", "stage3-bf16ns", "stage1-clip-gas2-fp32ns", *DEEPSPEED_RULE)
 
+# run in the default suite (one spawn); the rest with -m slow (a second spawn)
+DEFAULT = ("stage1-fp32ns", "stage2-fp32ns", "stage3-fp32ns", "stage3-offload-fp32ns", "stage3-bf16ns",
+           "stage1-clip-gas2-fp32ns", "stage3-dsrule-standard")
 _RESULTS: dict = {}
 
 
-def results(world):
-    if world not in _RESULTS:
-        cases = CASES if world > 1 else {k: CASES[k] for k in ONE_RANK}
-        _RESULTS[world] = run_ranks(run_cases, world, cases, STEPS)[0]
-    return _RESULTS[world]
+def results(world, case):
+    slow = case not in DEFAULT
+    if (world, slow) not in _RESULTS:
+        names = [k for k in CASES if (k not in DEFAULT) == slow and (world > 1 or k in ONE_RANK)]
+        _RESULTS[(world, slow)] = run_ranks(run_cases, world, {k: CASES[k] for k in names}, STEPS)[0]
+    return _RESULTS[(world, slow)][case]
 
 
 _REFS: dict = {}
@@ -86,7 +90,7 @@ def check(res, kw, name):
         assert diff <= param_tol, f"{name}: parameter {k} differs by {diff:.3g} > {param_tol:g}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 @pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_muon_matches_torch(world, case):
     if world == 1 and case not in ONE_RANK:
@@ -94,14 +98,14 @@ def test_muon_matches_torch(world, case):
     if case in DEEPSPEED_RULE:
         if world == 1:
             pytest.skip("the one-rank run is the reference")
-        got, want = results(world)[case], results(1)[case]
+        got, want = results(world, case), results(1, case)
         worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"]))
         assert worst <= BF16[0], f"{case}: losses differ by {worst:.3g}"
         for k, v in want["state"].items():
             diff = (got["state"][k] - v).abs().max().item()
             assert diff <= BF16[1], f"{case}: {k} differs by {diff:.3g}"
         return
-    check(results(world)[case], CASES[case], f"{world} ranks, {case}")
+    check(results(world, case), CASES[case], f"{world} ranks, {case}")
 
 
 def test_split_follows_tags_and_groups():
