@@ -84,6 +84,7 @@ class Engine:
             (f"offload.{tier.kind}", tier.host_bytes(elements.get(tier.kind, 0), self.precision.param_dtype))
             for tier in (self.offload_optimizer, self.offload_param) if tier.capabilities.offloaded])
         factory = build("optimizer")
+        groups = factory.param_groups(model, groups)
         factory.begin(self.offload_optimizer.device)
         self.partitioner.setup(model, self.precision, self.offload_optimizer, self.offload_param,
                                groups=groups)

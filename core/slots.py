@@ -98,6 +98,13 @@ class OptimizerFactory:
     def lr(self) -> float:
         return self.options.lr
 
+    def param_groups(self, module: torch.nn.Module, groups):
+        """The parameter groups the stage lays out (``groups``: a
+        :class:`zeroplug.param_groups.ParamGroups`, the user's): an optimizer that treats
+        parameters differently (Muon's matrices and AdamW's rest) splits them here, with each
+        part's settings; every master tensor then belongs to one group. Default: as given."""
+        return groups
+
     def begin(self, state_device: torch.device) -> None:
         """Called first in ``initialize``, before the stage allocates anything: start one-time
         work that needs no parameters (cpu_adam: its kernel's toolchain and cache, on a

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from zeroplug.errors import ConfigError
 from zeroplug.options import suggest
 
-from .keys import (AUTO, HIDDEN, IGNORED, KEEP, OFF, OPTIMIZERS, REFUSED, RULES, SCHEDULERS,
+from .keys import (AUTO, HIDDEN, IGNORED, KEEP, OFF, OPTIMIZERS, REFUSED, REFUSED_OPTIMIZERS, RULES, SCHEDULERS,
                    STRICT_SECTIONS, ANY, Rule)
 
 _BATCH = {"train_batch_size": "batch.train_batch_size", "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
@@ -442,12 +442,17 @@ class _Translator:
         self.walk("optimizer", opt, skip=("type", "params"))
         params = dict(self.table("optimizer.params", opt.get("params")))
         name = str(opt.get("type", "adamw")).lower()
+        if name in REFUSED_OPTIMIZERS:
+            raise ConfigError(f"DeepSpeed key optimizer.type = {_show(opt.get('type'))} is not supported: "
+                              f"{REFUSED_OPTIMIZERS[name]}", key="optimizer.type")
         if name not in OPTIMIZERS:
-            raise ConfigError(f"DeepSpeed key optimizer.type = {_show(opt.get('type'))} is not supported: zeroplug's "
-                              f"optimizers are Adam, AdamW (adamw, cpu_adam) and SGD; another update rule would "
-                              f"train another model. Use one of those, or register an optimizer plugin",
-                              key="optimizer.type")
+            self.torch_optimizer(str(opt.get("type")), params)
+            return
         plugin = OPTIMIZERS[name]
+        if plugin == "muon":        # DeepSpeed's Muon: its rule and its Adam's defaults
+            _set(self.raw, "optimizer.rule", "deepspeed")
+            params.setdefault("betas", [0.9, 0.95])
+            params.setdefault("eps", 1e-10)
         if "fp32_optimizer_states" in params:
             fp32 = self.value("optimizer.params.fp32_optimizer_states", params.pop("fp32_optimizer_states"))
             self.small_states("optimizer.params.fp32_optimizer_states", fp32 is False)
@@ -470,6 +475,20 @@ class _Translator:
                 _set(self.raw, "optimizer.adamw_mode", False)
         self.t.origin["optimizer.plugin"] = "optimizer.type"
         _set(self.raw, "optimizer.plugin", plugin)
+        self.walk("optimizer.params", params)
+
+    def torch_optimizer(self, name: str, params: dict) -> None:
+        """DeepSpeed builds ``getattr(torch.optim, type)`` for a type of its own it does not
+        know: zeroplug's ``torch`` plugin steps such a class when its update is element-wise."""
+        import torch
+        cls = getattr(torch.optim, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ConfigError(f"DeepSpeed key optimizer.type = {_show(name)} is not an optimizer DeepSpeed builds "
+                              "(its own: Adam, AdamW, SGD, Muon, Lion, Lamb, Adagrad, ...; or a torch.optim class "
+                              "name, which is case-sensitive)", key="optimizer.type")
+        self.t.origin["optimizer.plugin"] = "optimizer.type"
+        _set(self.raw, "optimizer.plugin", "torch")
+        _set(self.raw, "optimizer.name", name)
         self.walk("optimizer.params", params)
 
     def scheduler(self, sch: dict) -> None:

@@ -92,6 +92,24 @@ RULES: dict[str, Rule] = {
     "optimizer.params.momentum": same("optimizer.momentum", "SGD"),
     "optimizer.params.dampening": same("optimizer.dampening", "SGD"),
     "optimizer.params.nesterov": same("optimizer.nesterov", "SGD"),
+    "optimizer.params.muon_lr": same("optimizer.muon_lr", "Muon"),
+    "optimizer.params.adam_lr": same("optimizer.adam_lr", "Muon"),
+    "optimizer.params.ns_method": same("optimizer.ns_method", "Muon"),
+    "optimizer.params.max_coeff": same("optimizer.max_coeff", "Lamb"),
+    "optimizer.params.min_coeff": same("optimizer.min_coeff", "Lamb"),
+    "optimizer.params.eps_inside_sqrt": same("optimizer.eps_inside_sqrt", "Lamb"),
+    "optimizer.params.alpha": same("optimizer.alpha", "torch.optim RMSprop, ASGD"),
+    "optimizer.params.centered": same("optimizer.centered", "torch.optim RMSprop"),
+    "optimizer.params.lr_decay": same("optimizer.lr_decay", "torch.optim Adagrad"),
+    "optimizer.params.initial_accumulator_value": same("optimizer.initial_accumulator_value",
+                                                       "torch.optim Adagrad"),
+    "optimizer.params.rho": same("optimizer.rho", "torch.optim Adadelta"),
+    "optimizer.params.momentum_decay": same("optimizer.momentum_decay", "torch.optim NAdam"),
+    "optimizer.params.decoupled_weight_decay": same("optimizer.decoupled_weight_decay", "torch.optim NAdam, RAdam"),
+    "optimizer.params.lambd": same("optimizer.lambd", "torch.optim ASGD"),
+    "optimizer.params.t0": same("optimizer.t0", "torch.optim ASGD"),
+    "optimizer.params.etas": same("optimizer.etas", "torch.optim Rprop"),
+    "optimizer.params.step_sizes": same("optimizer.step_sizes", "torch.optim Rprop"),
     "optimizer.params.adam_w_mode": moved("optimizer.plugin", "true (DeepSpeed's default, also for type "
                                           "Adam): adamw; false: adam (L2), or cpu_adam adamw_mode = false"),
     "optimizer.params.bias_correction": moved("optimizer.bias_correction",
@@ -398,9 +416,23 @@ RULES: dict[str, Rule] = {
 STRICT_SECTIONS = ("zero_optimization", "zero_optimization.offload_*", "fp16", "bf16", "optimizer",
                    "optimizer.params", "scheduler", "scheduler.params", "aio")
 
-OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
-OTHER_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Lion", "Muon", "MuAdam",
-                    "MuAdamW", "MuSGD", "and torch.optim classes other than Adam, AdamW and SGD")
+OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd", "muon": "muon", "lion": "lion", "lamb": "lamb",
+              "adagrad": "ds_adagrad"}
+#: DeepSpeed's optimizer types that zeroplug refuses, and why
+REFUSED_OPTIMIZERS = {
+    "onebitadam": "1-bit Adam compresses the gradient all-reduce to 1 bit per element with error feedback, "
+                  "another training than exact reductions; zeroplug's reductions are exact: use type Adam",
+    "zerooneadam": "0/1 Adam compresses the gradient all-reduce and skips variance updates, another training "
+                   "than exact reductions; zeroplug's reductions are exact: use type Adam",
+    "onebitlamb": "1-bit Lamb compresses the gradient all-reduce to 1 bit per element with error feedback, "
+                  "another training than exact reductions; zeroplug's reductions are exact: use type Lamb",
+    "muadam": "mup's MuAdam scales each parameter's lr by the width multipliers mup.set_base_shapes attached to "
+              "it; give the groups their lrs in model_parameters with type Adam / AdamW",
+    "muadamw": "mup's MuAdamW scales each parameter's lr by the width multipliers mup.set_base_shapes attached "
+               "to it; give the groups their lrs in model_parameters with type AdamW",
+    "musgd": "mup's MuSGD scales each parameter's lr by the width multipliers mup.set_base_shapes attached to "
+             "it; give the groups their lrs in model_parameters with type SGD",
+}
 SCHEDULERS = {"warmuplr": "warmup", "warmupdecaylr": "warmup_decay", "warmupcosinelr": "warmup_cosine"}
 OTHER_SCHEDULERS = ("OneCycle", "LRRangeTest", "and torch.optim.lr_scheduler classes")
 
@@ -469,8 +501,14 @@ def compat_markdown() -> str:
         target = f"`{rule.target}`" if rule.target else ""
         out.append(f"| `{key}` | {rule.kind} | {target} | {rule.why} | {_silent(rule)} |")
     out += ["", "`optimizer.type`: Adam and AdamW (DeepSpeed's Adam is AdamW unless `adam_w_mode` is false) "
-            "and SGD are translated; refused, as another update rule would train another model: "
-            + ", ".join(OTHER_OPTIMIZERS) + ".", "",
+            "and SGD are translated; Muon becomes `optimizer.plugin = \"muon\"` with `rule = \"deepspeed\"` "
+            "(DeepSpeed's Newton-Schulz and `ns_method`, `muon_lr` / `adam_lr`, its Adam's defaults betas "
+            "(0.9, 0.95) and eps 1e-10), Lion `lion`, Lamb `lamb`, Adagrad `ds_adagrad` (DeepSpeed's update "
+            "rules); any other torch.optim class name (DeepSpeed builds `getattr(torch.optim, type)`) becomes "
+            "`plugin = \"torch\"` with that `name`, when its update is element-wise. Refused, each with its "
+            "reason: " + "; ".join(f"{k}: {v}" for k, v in REFUSED_OPTIMIZERS.items()) + "; torch.optim LBFGS, "
+            "SparseAdam and Muon (the step needs a closure, sparse gradients or whole matrices: "
+            "`plugin = \"muon\"` steps Muon).", "",
             "With `offload_optimizer`, Adam and AdamW become `optimizer.plugin = \"auto\"`: cpu_adam steps the "
             "offloaded states on the CPU with the config's `lr`, `betas`, `eps` and `weight_decay`, as "
             "DeepSpeed runs DeepSpeedCPUAdam there (`adam_w_mode = false` gives cpu_adam with "

@@ -16,7 +16,8 @@ from .ops.optimizer import HeldOptimizer
 _TORCH = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 _SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
-SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, deepspeed.ops.adam.FusedAdam, DeepSpeedCPUAdam"
+SUPPORTED = ("torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch's other element-wise classes, "
+             "deepspeed.ops.adam.FusedAdam, DeepSpeedCPUAdam")
 
 
 def read_config(config=None, config_params=None, args=None):
@@ -46,6 +47,8 @@ def optimizer_table(optimizer) -> dict:
         return {"plugin": plugin, **opts}
     cls = type(optimizer)
     plugin = next((name for c, name in _TORCH.items() if cls is c), None)
+    if plugin is None and getattr(torch.optim, cls.__name__, None) is cls:
+        return _torch_class_table(optimizer)
     if plugin is None:
         raise ConfigError(f"optimizer {cls.__module__}.{cls.__qualname__} has no zeroplug equivalent; use one "
                           f"of {SUPPORTED}", key="optimizer")
@@ -59,6 +62,23 @@ def optimizer_table(optimizer) -> dict:
             out[k] = list(d[k]) if k == "betas" else d[k]
     from zeroplug.param_groups import check_torch_flags
     check_torch_flags(d, f"{cls.__qualname__}(...)")
+    return out
+
+
+def _torch_class_table(optimizer) -> dict:
+    """Another torch.optim class: the ``torch`` optimizer plugin with its class name and the
+    settings it was built with (the plugin refuses, with the reason, a class whose update is
+    not element-wise)."""
+    from zeroplug.options import fields_of
+    from zeroplug.param_groups import check_torch_flags
+    from zeroplug.registry import get_plugin_manager
+    cls = type(optimizer)
+    check_torch_flags(optimizer.defaults, f"{cls.__qualname__}(...)")
+    known = fields_of(get_plugin_manager().get("optimizer", "torch", "optimizer.plugin").impl.Options)
+    out = {"plugin": "torch", "name": cls.__name__}
+    for k, v in optimizer.defaults.items():       # the settings the plugin has (a class it refuses has others)
+        if k in known and k != "name" and v is not None:
+            out[k] = list(v) if isinstance(v, tuple) else v
     return out
 
 

@@ -4,7 +4,9 @@ adam / adamw / sgd run torch's fused kernels (CUDA and CPU) or, where a kernel i
 missing, its multi-tensor foreach path; cpu_adam is our CPU Adam for offloaded
 shards, with Adam's moments in fp32, bf16 or block-quantised int8 (state_dtype); "auto"
 picks cpu_adam when the optimizer states live on the CPU while the model trains on a GPU
-(or are CPU states held below fp32), else adamw.
+(or are CPU states held below fp32), else adamw. muon: Muon on the hidden matrices and
+AdamW on the rest (muon.py); torch: torch's element-wise classes (torch_elementwise.py);
+lion, lamb, ds_adagrad: DeepSpeed's update rules (deepspeed_rules.py).
 """
 from __future__ import annotations
 
@@ -300,3 +302,11 @@ def zeroplug_register_optimizers(register):
     register("sgd", SGD)
     register("cpu_adam", CPUAdam)
     register("auto", AutoOptimizer)
+    from .deepspeed_rules import AdagradFactory, LambFactory, LionFactory
+    from .muon import Muon
+    from .torch_elementwise import TorchElementwise
+    register("muon", Muon)
+    register("torch", TorchElementwise)
+    register("lion", LionFactory)
+    register("lamb", LambFactory)
+    register("ds_adagrad", AdagradFactory)

@@ -82,7 +82,9 @@ def install_optimizer_state(optimizer, masters, new_state, scalars, keys, groups
     if keys:                # the checkpoint had optimizer state (else: none, as when it was saved)
         for k, t in enumerate(masters):
             st = new_state[k]
-            for key, dt in keys.items():
+            # a master that got states from the checkpoint keeps those (an optimizer may hold
+            # different ones per master); one that got none (only padding on this rank) gets all
+            for key, dt in (keys.items() if not any(key in st for key in keys) else ()):
                 if key in st:
                     continue
                 if dt in ("int8", "uint8"):     # a master that is only padding on this rank

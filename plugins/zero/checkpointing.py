@@ -130,13 +130,15 @@ def export_state(part, optimizer=None, parts=None) -> dict:
                     ptier.evict(i)
             for _, pc in by_k[k]:
                 pc["part"] = name
+        # Note: the element-wise states of every master (an optimizer may hold different ones
+        # for different masters: Muon's momentum beside AdamW's two moments); the scalars of
+        # the first one, which every master shares
         for t in masters:
             st = states.get(t) or {}
-            if st:
+            if st and not out["optim_keys"]:
                 out["optim_scalars"] = {k: v for k, v in st.items()
                                         if not _elementwise(v, t) and not is_absmax(st, k)}
-                out["optim_keys"] = {k: dtype_name(v.dtype) for k, v in st.items() if _elementwise(v, t)}
-                break
+            out["optim_keys"].update({k: dtype_name(v.dtype) for k, v in st.items() if _elementwise(v, t)})
         if optimizer is not None and optimizer.param_groups:    # hyper-parameters: the same in every group
             out["optim_groups"] = [{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}]
     if run.rank == 0:
@@ -383,9 +385,12 @@ class Loader:
         for (k, key), n in tally.filled.items():
             if n != need[k]:
                 raise CheckpointError(f"checkpoint {self.where}: optimizer state {key!r} is incomplete")
-        for k, key in ((k, key) for k in need for key in self.keys):
-            if tally.filled.get((k, key), 0) != need[k]:
-                raise CheckpointError(f"checkpoint {self.where}: optimizer state {key!r} is incomplete")
+        # a master needs the states its pieces were saved with (each piece holds its master's):
+        # none at all, where the checkpoint has some, is a gap
+        filled = {k for k, _ in tally.filled}
+        if self.keys and any(k not in filled for k in need):
+            raise CheckpointError(f"checkpoint {self.where}: optimizer states "
+                                  f"{', '.join(map(repr, self.keys))} are incomplete")
 
     # -- apply ------------------------------------------------------------------------------
     def apply(self) -> None:
@@ -475,7 +480,9 @@ class Loader:
         for k, (t, pieces) in enumerate(zip(self.masters, self.by_master)):
             with tier.import_(k, optimizer):
                 st = new_state[k]
-                for key, dt in keys.items():        # every state the checkpoint has, also for padding
+                # a sub-group of pieces gets the states its pieces hold; one of padding alone,
+                # every state the checkpoint has
+                for key, dt in (keys.items() if not pieces else ()):
                     if dt in ("int8", "uint8") and self.plan.exact(k, key):
                         codes_buffers(optimizer, t, key, getattr(torch, dt), st)
                     else:

@@ -27,12 +27,14 @@ from .flat_layout import FlatLayout
 from .grad_sinks import choose_grad_sink
 from .groups import shard_mesh
 from zeroplug.param_groups import ParamGroups
+from zeroplug.shard_map import bind_shard_map
 from zeroplug.slots import Partitioner
 from zeroplug.tiers import all_exported
 
 from .masters import make_masters
 from .offload import OnDevice
 from .param_sources import choose_param_source
+from .shard_map import build_shard_map
 from .partitioned_init import init_group
 from .options import ZeroOptions, bucket_elements, hidden_size
 from .unit import Unit
@@ -267,6 +269,7 @@ class FlatPartitioner(Partitioner):
 
     # -- the optimizer step --------------------------------------------------------------
     def optimizer_built(self, optimizer) -> None:
+        bind_shard_map(optimizer, lambda: build_shard_map(self))     # an optimizer of whole tensors (Muon)
         self.states.prepare(optimizer)
         self.grads = choose_grad_sink(self, optimizer)
 

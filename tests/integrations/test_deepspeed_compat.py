@@ -109,7 +109,6 @@ REFUSED = {
     "llamafactory_ds_z2_autotp.json": ["tensor_parallel.autotp_size = 2", "no tensor parallelism", "remove it"],
     "dse_megatron_zero3.json": ["zero_optimization.stage3_param_persitence_threshold",
                                 "Did you mean 'stage3_param_persistence_threshold'?"],
-    "dse_bing_bert_lamb.json": ["optimizer.type = \"Lamb\"", "Adam, AdamW", "SGD"],
 }
 
 

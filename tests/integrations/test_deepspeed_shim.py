@@ -137,11 +137,14 @@ def test_optimizer_factory_and_scheduler_factory():
 
 
 def test_deepspeed_ops_map_to_zeroplug_optimizers():
+    from zeroplug.deepspeed.ops.lamb import FusedLamb
     cases = ((lambda ps: FusedAdam(ps, lr=1e-3), "adamw"), (lambda ps: FusedAdam(ps, adam_w_mode=False), "adam"),
              (lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3), "auto"),
              (lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=False), "cpu_adam"),
              (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
-             (lambda ps: torch.optim.Adam(ps, lr=0.1), "adam"))
+             (lambda ps: torch.optim.Adam(ps, lr=0.1), "adam"),
+             (lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5), "torch"),
+             (lambda ps: FusedLamb(ps, lr=1e-3, max_coeff=0.3), "lamb"))
     for build, plugin in cases:
         model = ToyNet()
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build(model.parameters()), config=config())
@@ -151,12 +154,15 @@ def test_deepspeed_ops_map_to_zeroplug_optimizers():
 
 
 def test_refusals_are_one_line():
-    from zeroplug.deepspeed.ops.lamb import FusedLamb
-    with pytest.raises(ConfigError, match="no LAMB optimizer; use deepspeed.ops.adam.FusedAdam") as e:
-        FusedLamb(ToyNet().parameters())
+    model = ToyNet()
+    with pytest.raises(ConfigError, match="closure") as e:
+        deepspeed.initialize(model=model, optimizer=torch.optim.LBFGS(model.parameters()), config=config())
     assert "\n" not in str(e.value)
+
+    class Mine(torch.optim.SGD):
+        pass
     with pytest.raises(ConfigError, match="no zeroplug equivalent; use one of"):
-        deepspeed.initialize(model=ToyNet(), optimizer=torch.optim.RMSprop(ToyNet().parameters()), config=config())
+        deepspeed.initialize(model=model, optimizer=Mine(model.parameters(), lr=0.1), config=config())
     with pytest.raises(ConfigError, match="maximize"):
         deepspeed.initialize(model=ToyNet(), config=config(),
                              optimizer=lambda ps: torch.optim.AdamW(ps, maximize=True))
