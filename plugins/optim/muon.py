@@ -41,6 +41,11 @@ from .newton_schulz import (
     TORCH_COEFFICIENTS, adjusted_lr, as_matrix, input_dtype, orthogonalize_deepspeed, orthogonalize_torch,
 )
 
+# Note: a step orthogonalises its tensors in batches of at most this many elements (their
+# mixed momenta and results in bf16 on the training device at once: 2 x 512 MiB)
+_BATCH_ELEMENTS = 1 << 28
+# host slices of the momentum pass (fp32 gradient and momentum: 2 x 8 MiB, cache-sized)
+_HOST_SLICE = 1 << 21
 DEFAULT_EXCLUDE = ("embed", "wte", "wpe", "lm_head", "head", "classifier", "score")
 
 
@@ -209,10 +214,18 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         adam = [g for g in self.param_groups if not g["use_muon"]]
-        for g in self.param_groups:
-            if g["use_muon"]:
-                for t in g["params"]:
-                    self._muon(t, g)
+        muon = [(t, g) for g in self.param_groups if g["use_muon"] for t in g["params"] if t.grad is not None]
+        batch: list = []
+        for t, g in muon:
+            if id(t) not in self._plans:        # no map: the tensor is a whole parameter
+                self._apply_whole(t, self._mixed(t, g), g)
+                continue
+            if batch and sum(x.numel() for x, _ in batch) + t.numel() > _BATCH_ELEMENTS:
+                self._muon_batch(batch)
+                batch = []
+            batch.append((t, g))
+        if batch:
+            self._muon_batch(batch)
         if adam:
             self._adam(adam)
         return loss
@@ -223,8 +236,16 @@ class MuonAdamW(torch.optim.Optimizer):
                 # torch's own AdamW on these groups: their settings and states are this optimizer's
                 self._adamw = torch.optim.AdamW([{"params": []}], lr=groups[0]["lr"])
                 self._adamw.state = self.state
+            # Note: torch's fused kernel (CUDA and CPU, fp32 tensors) is one pass over each
+            # tensor where foreach makes a dozen; the same arithmetic to fp32 rounding
+            for g in groups:
+                for p in g["params"]:
+                    st = self.state.get(p)
+                    if st and torch.is_tensor(st.get("step")) and st["step"].device != p.device:
+                        st["step"] = st["step"].to(p.device)      # (a fused kernel reads it there)
             self._adamw.param_groups = [{**g, "amsgrad": False, "maximize": False, "foreach": None,
-                                         "capturable": False, "differentiable": False, "fused": None,
+                                         "capturable": False, "differentiable": False,
+                                         "fused": True if _fusable(g["params"]) else None,
                                          "decoupled_weight_decay": True} for g in groups]
             self._adamw.step()
             return
@@ -245,25 +266,137 @@ class MuonAdamW(torch.optim.Optimizer):
                 p.mul_(1 - g["lr"] * g["weight_decay"])
                 p.add_(update, alpha=-g["lr"])
 
-    def _muon(self, t: torch.Tensor, g: dict) -> None:
-        if t.grad is None:
-            return
+    def _nesterov(self, g) -> bool:
+        return g["nesterov"] or self.rule == "deepspeed"
+
+    def _mixed(self, t: torch.Tensor, g: dict) -> torch.Tensor:
+        """The momentum updated, and the (Nesterov) mix of gradient and momentum, in fp32."""
+        buf = self._momentum_buffer(t)
+        mu = g["momentum"]
+        buf.lerp_(t.grad, 1 - mu)
+        return t.grad.lerp(buf, mu) if self._nesterov(g) else buf
+
+    def _momentum_buffer(self, t: torch.Tensor) -> torch.Tensor:
         st = self.state[t]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = torch.zeros_like(t)
             st["step"] = torch.tensor(0.0)
         st["step"] += 1
-        mu = g["momentum"]
-        buf = st["momentum_buffer"]
-        buf.lerp_(t.grad, 1 - mu)
-        mixed = t.grad.lerp(buf, mu) if g["nesterov"] or self.rule == "deepspeed" else buf
-        plan = self._plans.get(id(t))
-        if plan is None:            # no map: the tensor is a whole parameter
-            self._apply_whole(t, mixed, g)
+        return st["momentum_buffer"]
+
+    def _mixed_into(self, t: torch.Tensor, g: dict, out: torch.Tensor) -> None:
+        """:meth:`_mixed` rounded into ``out`` (the orthogonaliser's dtype, on ``t``'s device).
+        Note: on the host in slices of ``_HOST_SLICE`` elements, each read once from memory
+        for the momentum, the mix and the cast (the slice stays in the caches between them);
+        the values are those of the whole-tensor operations (element-wise)."""
+        buf = self._momentum_buffer(t)
+        mu, grad = g["momentum"], t.grad
+        nesterov = self._nesterov(g)
+        n = t.numel()
+        step = n if t.device.type != "cpu" else _HOST_SLICE
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            b, gr = buf.view(-1)[i:j], grad.view(-1)[i:j]
+            b.lerp_(gr, 1 - mu)
+            out[i:j].copy_(gr.lerp(b, mu) if nesterov else b)
+
+    def _muon_batch(self, batch: list) -> None:
+        """Muon's step of the mapped tensors in ``batch``: the mixed momenta go to the training
+        device (one copy each; through page-locked memory from the host), every rank gathers
+        each tensor, the matrices this rank owns are orthogonalised grouped by shape (one
+        batched product per product of the iteration), each tensor's results go back to the
+        ranks, and each rank applies its shards (from the host: one copy down each)."""
+        smap = self.shard_map
+        check_training_thread(smap, "Muon")
+        comm, world = smap.comm, smap.comm.world_size
+        dev = smap.device
+        dtype = input_dtype(self.rule, self.ns_method, self.ns_dtype)
+        staged = any(t.device != dev for t, _ in batch)
+        total = sum(t.numel() for t, _ in batch)
+        host = self._staging(total, dtype, dev) if staged else None
+        sends, at = [], 0
+        for t, g in batch:
+            n = t.numel()
+            if t.device == dev:
+                send = torch.empty(n, dtype=dtype, device=dev)
+                self._mixed_into(t, g, send)
+            else:
+                self._mixed_into(t, g, host[at:at + n])
+                send = host[at:at + n].to(dev, non_blocking=True)      # (pinned: queued, the host goes on)
+            sends.append(send)
+            at += n
+        # every rank: the whole tensors; this rank's matrices, grouped by shape
+        outs, jobs = [], {}
+        for (t, _), send in zip(batch, sends):
+            n = t.numel()
+            if world > 1:
+                full = torch.empty(world * n, dtype=dtype, device=dev)
+                comm.all_gather(full, send)
+                rows = full.view(world, n)
+                out = torch.zeros(world, n, dtype=dtype, device=dev)    # reduce-scatter sums: zeros elsewhere
+            else:
+                # one rank holds whole blocks: the results overwrite the matrices' inputs
+                rows = out = send.view(1, n)
+            outs.append(out)
+            for m in self._plans[id(t)]:
+                if m.owner != comm.rank:
+                    continue
+                b = m.block
+                size = b.hi - b.lo
+                whole = rows[:, b.start:b.start + size].reshape(-1) if world > 1 else \
+                    rows[0, b.start:b.start + size]
+                jobs.setdefault(m.shape, []).append((whole[m.offset:m.offset + m.numel].view(m.shape), out, m))
+        for shape, items in jobs.items():
+            if len(items) == 1:
+                results = [self._orthogonalize(items[0][0])]
+            else:
+                results = self._orthogonalize(torch.stack([x for x, _, _ in items])).unbind(0)
+            for (_, out, m), o in zip(items, results):
+                self._place(out, m, o.to(dtype), world)
+        # every rank: its shards of the results, applied
+        mines = []
+        for (t, _), out in zip(batch, outs):
+            n = t.numel()
+            if world > 1:
+                mine = torch.empty(n, dtype=dtype, device=dev)
+                comm.reduce_scatter(mine, out.view(-1))
+            else:
+                mine = out.view(-1)
+            mines.append(mine)
+        if staged:
+            at = 0
+            for (t, _), mine in zip(batch, mines):
+                if t.device != dev:
+                    host[at:at + t.numel()].copy_(mine, non_blocking=True)
+                at += t.numel()
+            self._staged = torch.cuda.Event() if dev.type == "cuda" else None
+            if self._staged is not None:
+                self._staged.record()
+                self._staged.synchronize()       # the host reads the results next
+        at = 0
+        for (t, g), mine in zip(batch, mines):
+            n = t.numel()
+            self._apply(t, g, mine if t.device == dev else host[at:at + n])
+            at += n
+
+    @staticmethod
+    def _place(out: torch.Tensor, m: _Matrix, o: torch.Tensor, world: int) -> None:
+        """Matrix ``m``'s result ``o`` into ``out`` (world x n): rank r's part of it in row r."""
+        b = m.block
+        size = b.hi - b.lo
+        o = o.reshape(-1)
+        if world == 1:
+            out[0, b.start + m.offset:b.start + m.offset + m.numel].copy_(o)
             return
-        update = self._orthogonalized(t, mixed, plan)
-        t.mul_(1 - g["lr"] * g["weight_decay"])
-        for m in plan:
+        for r in range(m.offset // size, (m.offset + m.numel - 1) // size + 1):
+            x, y = max(m.offset, r * size), min(m.offset + m.numel, (r + 1) * size)
+            out[r, b.start + x - r * size:b.start + y - r * size].copy_(o[x - m.offset:y - m.offset])
+
+    def _apply(self, t: torch.Tensor, g: dict, update: torch.Tensor) -> None:
+        """This rank's shard ``update`` (``t``'s layout) applied to ``t`` with each matrix's lr."""
+        if g["weight_decay"]:
+            t.mul_(1 - g["lr"] * g["weight_decay"])
+        for m in self._plans[id(t)]:
             b = m.block
             x, y = max(b.lo, m.offset), min(b.hi, m.offset + m.numel)
             if x >= y:
@@ -271,6 +404,17 @@ class MuonAdamW(torch.optim.Optimizer):
             a = b.start + x - b.lo
             lr = adjusted_lr(g["lr"], self.adjust_lr, m.shape) if self.rule == "torch" else g["lr"]
             t[a:a + y - x].add_(update[a:a + y - x], alpha=-lr)
+
+    def _staging(self, numel: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+        """A host buffer of ``numel`` elements for the copies to and from ``dev`` (page-locked
+        for a GPU, so that they are asynchronous), kept between steps; the last batch's copies
+        are done when it is handed out (its results were waited for before they were read)."""
+        buf = getattr(self, "_host", None)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            pin = dev.type == "cuda" and torch.cuda.is_available()
+            buf = self._host = torch.empty(max(numel, buf.numel() if buf is not None else 0), dtype=dtype,
+                                           pin_memory=pin)
+        return buf[:numel]
 
     def _orthogonalize(self, matrix: torch.Tensor) -> torch.Tensor:
         if self.rule == "torch":
@@ -284,41 +428,12 @@ class MuonAdamW(torch.optim.Optimizer):
         t.mul_(1 - g["lr"] * g["weight_decay"])
         t.add_(out, alpha=-lr)
 
-    def _orthogonalized(self, t: torch.Tensor, mixed: torch.Tensor, plan: list[_Matrix]) -> torch.Tensor:
-        """This rank's shard of every matrix's orthogonalised update (the shard's layout, in
-        the orthogonaliser's dtype, on ``t``'s device)."""
-        smap = self.shard_map
-        check_training_thread(smap, "Muon")
-        comm, world = smap.comm, smap.comm.world_size
-        dev = smap.device
-        dtype = input_dtype(self.rule, self.ns_method, self.ns_dtype)
-        n = t.numel()
-        send = mixed.to(dtype).to(dev)      # (cast where the states are: half the bytes to move)
-        if world > 1:
-            full = torch.empty(world * n, dtype=dtype, device=dev)
-            comm.all_gather(full, send)
-            rows = full.view(world, n)
-            out = torch.zeros(world, n, dtype=dtype, device=dev)
-        else:
-            rows, out = send.view(1, n), torch.zeros(1, n, dtype=dtype, device=dev)
-        whole, whole_of = None, None
-        for m in plan:
-            if m.owner != comm.rank:
-                continue
-            b = m.block
-            size = b.hi - b.lo
-            if whole_of is not b:           # the block put together: rank r's shard is its r-th part
-                whole, whole_of = rows[:, b.start:b.start + size].reshape(-1), b
-            o = self._orthogonalize(whole[m.offset:m.offset + m.numel].view(m.shape)).reshape(-1).to(dtype)
-            for r in range(m.offset // size, (m.offset + m.numel - 1) // size + 1):
-                x, y = max(m.offset, r * size), min(m.offset + m.numel, (r + 1) * size)
-                out[r, b.start + x - r * size:b.start + y - r * size] = o[x - m.offset:y - m.offset]
-        if world > 1:
-            mine = torch.empty(n, dtype=dtype, device=dev)
-            comm.reduce_scatter(mine, out.view(-1))
-        else:
-            mine = out.view(-1)
-        return mine.to(t.device)
+
+def _fusable(params) -> bool:
+    """Whether torch's fused AdamW takes these tensors (fp32, one device type it has a kernel for)."""
+    return bool(params) and len({p.device for p in params}) == 1 and all(
+        p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") and (p.grad is None or p.grad.dtype == p.dtype)
+        for p in params)
 
 
 def state_bytes_per_param(optimizer) -> float:

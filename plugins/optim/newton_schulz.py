@@ -42,18 +42,27 @@ def as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:
 def orthogonalize_torch(g: torch.Tensor, coefficients=TORCH_COEFFICIENTS, steps: int = 5,
                         eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """torch.optim.Muon's iteration in ``dtype`` (torch's: bf16); may overwrite ``g`` when it
-    is of that dtype already."""
+    is of that dtype already. ``g`` of shape (B, rows, cols): B matrices of one shape, each
+    orthogonalised on its own, one batched product per product of the iteration (``baddbmm``
+    where torch's has ``addmm``; the norm per matrix)."""
     a, b, c = coefficients
     x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
+        x = x.mT
+    if x.dim() == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+        return x.T if tall else x
+    x = x.div(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
     for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
 
 
 def adjusted_lr(lr: float, adjust: str, shape: tuple[int, int]) -> float:
@@ -88,7 +97,7 @@ def _gram(x: torch.Tensor, a: float, b: float, c: float, steps: int) -> torch.Te
         z = b * r + c * r @ r
         if q is None:
             q = z.clone()
-            q.diagonal().add_(a)
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
             q = a * q + z @ q
         if i < steps - 1 and i + 1 != 2:
@@ -100,10 +109,11 @@ def _gram(x: torch.Tensor, a: float, b: float, c: float, steps: int) -> torch.Te
 def orthogonalize_deepspeed(g: torch.Tensor, steps: int = 5, ns_method: str = "gram",
                             coefficients=TORCH_COEFFICIENTS) -> torch.Tensor:
     """DeepSpeed's Muon update of a momentum matrix: orthogonalised and scaled by
-    ``sqrt(max(1, rows / cols))``, in the working dtype (:func:`input_dtype`)."""
+    ``sqrt(max(1, rows / cols))``, in the working dtype (:func:`input_dtype`). ``g`` of shape
+    (B, rows, cols): B matrices of one shape, each on its own (batched products)."""
     a, b, c = coefficients
     x = g.to(input_dtype("deepspeed", ns_method))
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
@@ -113,5 +123,5 @@ def orthogonalize_deepspeed(g: torch.Tensor, steps: int = 5, ns_method: str = "g
         x = _standard(x, a, b, c, steps)
     if tall:
         x = x.mT
-    x *= max(1.0, g.size(0) / g.size(1)) ** 0.5
+    x *= max(1.0, g.size(-2) / g.size(-1)) ** 0.5
     return x
