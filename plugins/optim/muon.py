@@ -188,6 +188,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.shard_map = None
         self._plans: dict[int, list[_Matrix]] = {}
         self._adamw = None
+        self._host: torch.Tensor | None = None      # the page-locked staging buffer (_staging)
 
     # -- the stage's map ------------------------------------------------------------------
     def bind_shard_map(self, shard_map) -> None:
@@ -338,13 +339,16 @@ class MuonAdamW(torch.optim.Optimizer):
                 # one rank holds whole blocks: the results overwrite the matrices' inputs
                 rows = out = send.view(1, n)
             outs.append(out)
+            wholes = {}
             for m in self._plans[id(t)]:
                 if m.owner != comm.rank:
                     continue
                 b = m.block
                 size = b.hi - b.lo
-                whole = rows[:, b.start:b.start + size].reshape(-1) if world > 1 else \
-                    rows[0, b.start:b.start + size]
+                if id(b) not in wholes:     # the block put together: rank r's shard is its r-th part
+                    wholes[id(b)] = rows[:, b.start:b.start + size].reshape(-1) if world > 1 else \
+                        rows[0, b.start:b.start + size]
+                whole = wholes[id(b)]
                 jobs.setdefault(m.shape, []).append((whole[m.offset:m.offset + m.numel].view(m.shape), out, m))
         for shape, items in jobs.items():
             if len(items) == 1:
@@ -369,10 +373,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 if t.device != dev:
                     host[at:at + t.numel()].copy_(mine, non_blocking=True)
                 at += t.numel()
-            self._staged = torch.cuda.Event() if dev.type == "cuda" else None
-            if self._staged is not None:
-                self._staged.record()
-                self._staged.synchronize()       # the host reads the results next
+            if dev.type == "cuda":
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(dev))   # (the copies' stream)
+                done.synchronize()      # the host reads the results next (and the next batch reuses the buffer)
         at = 0
         for (t, g), mine in zip(batch, mines):
             n = t.numel()
@@ -409,7 +413,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """A host buffer of ``numel`` elements for the copies to and from ``dev`` (page-locked
         for a GPU, so that they are asynchronous), kept between steps; the last batch's copies
         are done when it is handed out (its results were waited for before they were read)."""
-        buf = getattr(self, "_host", None)
+        buf = self._host
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             pin = dev.type == "cuda" and torch.cuda.is_available()
             buf = self._host = torch.empty(max(numel, buf.numel() if buf is not None else 0), dtype=dtype,
