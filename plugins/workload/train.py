@@ -134,7 +134,8 @@ def _plan_run(args) -> tuple[Path | None, dict | None, bool]:
     if args.resume not in (None, "latest", "auto") and Path(args.resume).is_dir():
         if not rundir.is_run(args.resume):
             raise ZeroplugError(f"--resume {args.resume!r} is a directory but not a run's (no {rundir.RUN} in it): "
-                                "name a run directory (runs/...) or a checkpoint tag of [checkpoint] dir")
+                                "name a run directory (runs/...) or a checkpoint tag of [checkpoint] dir "
+                                "(use a plain name)")
         resumed = Path(args.resume)
         for flag, value in (("--config", args.config), ("--run-dir", args.run_dir), ("--no-save", args.no_save)):
             if value:
