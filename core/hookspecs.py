@@ -95,6 +95,17 @@ def zeroplug_register_activations(register):
 
 
 @hookspec
+def zeroplug_register_sequence(register):
+    """Register how the ranks share long sequences (the ``[sequence]`` slot: none, or ulysses:
+    each sequence sliced over a group of ranks, attention exchanging heads for sequence, the MLP
+    and the head's loss computed in tiles).
+
+    Called once at setup. ``register(name, cls)`` with ``cls`` following
+    :class:`zeroplug.slots.SequenceStrategy`. Returns nothing.
+    """
+
+
+@hookspec
 def zeroplug_model_presets():
     """Called by ``zeroplug estimate`` / ``zeroplug tune`` (and ``zeroplug.tools.probe.load_spec``)
     to name the models ``--model`` accepts. Returns ``{name: spec(checkpointing)}``, where

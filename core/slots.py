@@ -206,6 +206,35 @@ class ActivationStore:
         """Called by ``engine.close()``."""
 
 
+class SequenceStrategy:
+    """How the ranks share the tokens of long sequences (the ``[sequence]`` slot).
+
+    It acts on the model, not on the step: at the end of ``initialize`` (on
+    ``zeroplug_engine_setup``) its plugin builds it and calls :meth:`attach`, which may split
+    each sequence over groups of ranks (their attention exchanging heads for sequence) and
+    compute parts of the model in tiles along the sequence. The ZeRO stage still shards the
+    states over every rank; the batch arithmetic counts each group once (``ranks_per_sample``).
+    """
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options, run: RunContext):
+        self.options, self.run = options, run
+
+    @classmethod
+    def ranks_per_sample(cls, options) -> int:
+        """Ranks that share one sample's sequence (DeepSpeed's sequence_parallel_size): the
+        batch sizes count world size / this many data-parallel ranks."""
+        return 1
+
+    def attach(self, engine) -> None:
+        """Called once by its plugin while ``initialize`` ends (every rank)."""
+
+    def close(self) -> None:
+        """Undo :meth:`attach` (called when the engine closes)."""
+
+
 class Partitioner:
     """A ZeRO stage: owns the parameters' layout, the gradient reduction and the masters.
 
