@@ -48,6 +48,9 @@ class RunContext:
     # set by the engine, or by a tier whose step finishes after engine.step() returns);
     # None while it is. Cleared by loading a checkpoint.
     failed: str | None = None
+    # host bytes the offload tiers planned on this host (initialize's host-memory check), which
+    # memory that grows with the batch must leave them (zeroplug.host_budget.host_room)
+    host_planned: int = 0
 
     @property
     def rank(self) -> int:

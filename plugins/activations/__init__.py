@@ -69,6 +69,16 @@ class OnHost(ActivationStore):
 
 
 @hookimpl
+def zeroplug_engine_setup(engine):
+    """The host store counts its copies against this rank's share of the host memory left
+    after the states (the tiers hold theirs by now): zeroplug.host_budget.host_room."""
+    store = engine.activations
+    if isinstance(store, OnHost):
+        from zeroplug.host_budget import host_room
+        store.store.room, store.store.room_source = host_room(engine.run)
+
+
+@hookimpl
 def zeroplug_register_activations(register):
     register("none", OnDevice)
     register("cpu", OnHost)

@@ -219,6 +219,11 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.transpose(1, 2).contiguous(), None
 
 
+def _set_attention(model, name: str) -> None:
+    """The attention implementation a Hugging Face model (and its sub-models) calls."""
+    model.set_attn_implementation(name)
+
+
 def attach_hf(a: Attached) -> None:
     model, group = a.model, a.group
     cfg = model.config
@@ -232,14 +237,19 @@ def attach_hf(a: Attached) -> None:
         if not isinstance(heads, int):
             raise ConfigError(f"{KEY} = {group.degree}: the model's config names no num_attention_heads", key=KEY)
         _check_heads(type(model).__name__, heads, kv, group.degree)
+        if not hasattr(model, "set_attn_implementation"):
+            import transformers
+            raise ConfigError(f"{KEY} = {group.degree} with a Hugging Face model needs a transformers that has "
+                              f"PreTrainedModel.set_attn_implementation (this one is {transformers.__version__}): "
+                              f"upgrade it", key=KEY)
         from transformers import AttentionInterface
         AttentionInterface.register(HF_NAME, _hf_attention)
         for m in model.modules():
             if hasattr(m, "layer_idx") and hasattr(m, "head_dim"):
                 _ATTENTION[m] = a
         before = cfg._attn_implementation
-        cfg._attn_implementation = HF_NAME
-        a._undo.append(functools.partial(setattr, cfg, "_attn_implementation", before))
+        _set_attention(model, HF_NAME)
+        a._undo.append(functools.partial(_set_attention, model, before))
     a.tile_mlps()
     head = model.get_output_embeddings()
     base = getattr(model, "base_model", None)
