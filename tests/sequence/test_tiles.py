@@ -127,3 +127,29 @@ def test_shard_batch_slices():
     assert got[1]["shift_labels"].tolist() == [[6, -100, -100, -100]]     # 7 is padding; the rest past the end
     assert got[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
     assert "attention_mask" not in got[0] and "labels" not in got[0]
+
+
+def test_train_command_at_a_longer_sequence(capsys, tmp_path, monkeypatch):
+    """`zeroplug train --seq N` past the preset's positions, with tiles and host checkpoints."""
+    from zeroplug.cli import main
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--steps", "2", "--seq", "192", "--max-bytes", "60000", "--batch.micro_batch_size=1",
+                 "--sequence.plugin=ulysses", "--sequence.mlp_chunk_tokens=64", "--sequence.loss_chunk_tokens=50",
+                 "--activation_checkpointing.plugin=cpu", "--activation_checkpointing.min_offload_bytes=0",
+                 "--monitor.plugin=none"])
+    out = capsys.readouterr().out
+    assert code == 0 and "train loss: first step" in out
+
+
+@pytest.mark.parametrize("seq, needs", [
+    (8192, "needs: nothing"),
+    (524288, "needs: the MLP and the loss in tiles"),
+    (4_000_000, "sequence parallelism over 16 ranks"),
+])
+def test_estimate_seq(capsys, seq, needs):
+    from zeroplug.cli import main
+    assert main(["estimate", "--model", "1.3B", "--seq", str(seq), "--device-gib", "80", "--host-gib", "120"]) == 0
+    out = capsys.readouterr().out
+    assert needs in out and "checkpointed blocks' inputs" in out
+    if seq == 524288:       # 24 layers x 524,288 x 2,048 x 2 bytes
+        assert "48.00 GiB" in out and "checkpointed inputs in host memory" in out
