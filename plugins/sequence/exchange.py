@@ -63,12 +63,35 @@ class HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.comm), None
 
 
+#: SDPA reads grouped key-value heads itself (torch 2.5 and later), as Hugging Face's sdpa path uses it
+_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def _fused_only(q: torch.Tensor):
+    """On CUDA, SDPA's fused kernels only: the math fallback holds [S, S] scores per head, which a
+    long sequence cannot afford (an error instead, and the caller repeats the heads)."""
+    if not q.is_cuda:
+        import contextlib
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                      dropout: float = 0.0) -> torch.Tensor:
     """Causal scaled-dot-product attention of ``[B, H, S, D]`` queries over ``[B, Hkv, S, D]`` keys and
     values (``H`` a multiple of ``Hkv``: query head ``i`` reads key-value head ``i // (H / Hkv)``)."""
     if k.shape[1] != q.shape[1]:
-        # Note: the same grouping as Hugging Face's repeat_kv (each key-value head repeated in place)
+        if _GQA:    # Note: no copy of the keys and values per query head (4 GiB each at 500K tokens, 8B)
+            try:
+                with _fused_only(q):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout,
+                                                          enable_gqa=True)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError:    # no fused kernel takes grouped heads here: repeat them
+                pass
+        # the same grouping as Hugging Face's repeat_kv (each key-value head repeated in place)
         groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)

@@ -19,15 +19,15 @@ VOCAB, SEQ, PAD_FROM, PROMPT = 64, 29, 22, 3
 STEPS, LR = 2, 0.1
 
 
-def build(kind: str, checkpointing: bool = False):
+def build(kind: str, checkpointing: bool = False, positions: int = 64):
     torch.manual_seed(0)
     if kind == "gpt":
         from zeroplug.plugins.workload.models import GPT, GPTConfig
-        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=64, n_layer=2, d_model=32, n_head=4,
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=positions, n_layer=2, d_model=32, n_head=4,
                              activation_checkpointing=checkpointing))
     import transformers as T
     cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
     model = T.LlamaForCausalLM(cfg)
     if checkpointing:
         checkpointing_on(model)
