@@ -6,7 +6,7 @@ step: a probe at half a million tokens would take longer than the estimate is wo
 model dtype (2 bytes on a GPU) with activation checkpointing on every block:
 
 * the checkpointed blocks' inputs: layers x tokens x d_model, for the whole backward;
-* one block's recompute and backward (the largest transient): per token about 20 values of
+* one block's recompute and backward (the largest transient): per token about 14 values of
   d_model (norms with fp32 temporaries, q / k / v, attention output and log-sum-exp, the
   residuals, and their gradients) and 6 of the MLP's widest layer (its outputs and gradients);
   tiled, the MLP's part is one chunk's;
@@ -28,7 +28,7 @@ import torch
 
 GiB = 1024 ** 3
 #: values per token of one block's recompute and backward, per d_model and per MLP width
-BLOCK_PER_D, BLOCK_PER_MLP = 20, 6
+BLOCK_PER_D, BLOCK_PER_MLP = 14, 6
 #: bytes per token and vocabulary entry of the untiled loss: logits, their fp32 copy, its gradient
 LOGIT_BYTES = 10
 #: the chunk of the tiled MLP and loss (tokens) the estimate assumes (the "auto" sizes are near it)

@@ -53,15 +53,16 @@ class Saved:
 class Forward:
     """One forward's offloaded tensors, in the order they were saved (weakly: autograd's saved
     tensors own them, so a graph that is dropped frees its host copies)."""
-    __slots__ = ("saved", "seen", "__weakref__")
+    __slots__ = ("saved", "seen", "kept", "__weakref__")
 
     def __init__(self):
         self.saved: list[weakref.ref] = []
         self.seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}   # id(tensor): one copy per tensor
+        self.kept = 0       # bytes of block inputs left on the device (HostActivations.device_bytes)
 
 
 #: the counters of HostActivations.stats
-STATS = ("offloaded", "offloaded_bytes", "kept", "fetched", "prefetched")
+STATS = ("offloaded", "offloaded_bytes", "kept", "fetched", "prefetched", "kept_on_device")
 
 
 def _release(held: list, nbytes: int) -> None:
@@ -71,7 +72,9 @@ def _release(held: list, nbytes: int) -> None:
 class HostActivations:
     """The pack and unpack hooks, and their bookkeeping, for one engine."""
 
-    def __init__(self, device: torch.device, pin_memory: bool, buffer_count: int, min_bytes: int):
+    def __init__(self, device: torch.device, pin_memory: bool, buffer_count: int, min_bytes: int,
+                 device_bytes: int = 0):
+        self.device_bytes = device_bytes        # the first block inputs of a forward, up to this, stay
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             # Note: tensors name their index ("cuda:0"), and torch.device("cuda") equals none of them
@@ -131,6 +134,10 @@ class HostActivations:
         if hit is not None and hit[0]() is t and hit[1]() is not None:
             return hit[1]()
         nbytes = t.numel() * t.element_size()
+        if fwd.kept + nbytes <= self.device_bytes:
+            fwd.kept += nbytes
+            self.stats["kept_on_device"] += 1
+            return t
         self._check_room(nbytes)
         host, copied = self.lanes.copy_out(t)
         s = Saved(fwd, len(fwd.saved), host, copied, t)

@@ -141,15 +141,41 @@ def test_train_command_at_a_longer_sequence(capsys, tmp_path, monkeypatch):
     assert code == 0 and "train loss: first step" in out
 
 
-@pytest.mark.parametrize("seq, needs", [
-    (8192, "needs: nothing"),
-    (524288, "needs: the MLP and the loss in tiles"),
-    (4_000_000, "sequence parallelism over 16 ranks"),
+@pytest.mark.parametrize("seq, device_gib, needs", [
+    (8192, 80, ["needs: nothing"]),
+    (262144, 80, ["needs: the MLP and the loss in tiles", "\"ulysses\")\n"]),
+    (524288, 60, ["needs: the MLP and the loss in tiles", "checkpointed inputs in host memory"]),
+    (4_000_000, 80, ["sequence parallelism over 8 ranks"]),
 ])
-def test_estimate_seq(capsys, seq, needs):
+def test_estimate_seq(capsys, seq, device_gib, needs):
     from zeroplug.cli import main
-    assert main(["estimate", "--model", "1.3B", "--seq", str(seq), "--device-gib", "80", "--host-gib", "120"]) == 0
+    assert main(["estimate", "--model", "1.3B", "--seq", str(seq), "--device-gib", str(device_gib),
+                 "--host-gib", "120"]) == 0
     out = capsys.readouterr().out
-    assert needs in out and "checkpointed blocks' inputs" in out
+    assert all(n in out for n in needs) and "checkpointed blocks' inputs" in out
     if seq == 524288:       # 24 layers x 524,288 x 2,048 x 2 bytes
-        assert "48.00 GiB" in out and "checkpointed inputs in host memory" in out
+        assert "48.00 GiB" in out
+
+
+def test_host_checkpoints_keep_the_first_on_the_device():
+    """device_bytes: the first block inputs of a forward, up to that many bytes, stay on the device;
+    the losses and parameters are those of keeping none there."""
+    ref_losses, ref_state = reference("gpt", 1)
+    one = 1 * 29 * 32 * 4                        # a block input: micro batch x tokens x d_model x fp32
+    cfg = config(stage=0, degree=1, tiled=True, host=True)
+    cfg["activation_checkpointing"]["device_bytes"] = one
+    import zeroplug
+    from zeroplug.plugins.sequence import for_engine
+    from .cases import samples
+    engine = zeroplug.initialize(build("gpt", checkpointing=True), cfg, device="cpu")
+    losses = []
+    for _ in range(2):
+        loss = engine(**for_engine(engine).shard(samples("gpt", 1)[0]))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    stats = dict(engine.activations.stats)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    assert stats["kept_on_device"] == 2 and stats["offloaded"] == 2      # 2 blocks per forward, 2 steps
+    assert max_rel(losses, ref_losses) <= 1e-5 and max_abs(state, ref_state) <= 1e-5
