@@ -16,7 +16,8 @@ Frameworks (``--frameworks``):
   states for the 8B shape, whose fp32 states would not leave host memory for activations),
   ``[sequence] plugin = "ulysses"`` (one rank: the MLP and the head's loss in tiles, chunk sizes
   from the memory budget) and ``[activation_checkpointing] plugin = "cpu"`` (the checkpointed
-  blocks' inputs in pinned host memory);
+  blocks' inputs in pinned host memory; the 8B shape's first 16 GiB of them stay on the GPU,
+  ``device_bytes``, as its checkpoints outgrow the host's 128 GiB first);
 * ``deepspeed``: DeepSpeed (when ``import deepspeed`` works; else "deepspeed not installed") with
   its ALST recipe for one GPU: ZeRO-3 with parameters and optimizer offloaded to the host (bf16
   master weights and states for the 8B shape, for the same reason), ``TiledMLP`` on the MLP with
