@@ -110,7 +110,7 @@ def _estimate_sequence(args) -> int:
     import torch
 
     from zeroplug.observe.memory import GB, host_available_bytes
-    from zeroplug.tools.probe import estimate_model_states, load_spec
+    from zeroplug.tools.probe import load_spec
     from zeroplug.tools.sequence import Shape, report
     if args.params:
         raise ZeroplugError("--seq estimates a model's activations from its shape: give --model, not --params")
@@ -131,13 +131,18 @@ def _estimate_sequence(args) -> int:
         device = 80 * GB
     host = (args.host_gib * GB if args.host_gib else host_available_bytes())
     form = "int8" if args.state_dtype == "all" else args.state_dtype
-    states = estimate_model_states(n, 3, args.world_size, args.param_bytes, True, True, state_dtype=form)
+    from zeroplug.quantized_states import state_bytes
+    # Note: stage 3 with both tiers on the host, gathered from the masters (stage3_params_from_masters):
+    # the fp32 master, the gradient (bf16 on one rank, where that is exact; fp32 with several) and
+    # Adam's moments, per element of this rank's shard
+    grad = args.param_bytes if args.world_size == 1 else 4
+    states = n * (4 + grad + state_bytes(form)) / args.world_size
     layers = spec.n_layer or 1
     working = 2 * n / layers * args.param_bytes        # two blocks gathered (the running one, the next)
-    lines, last = report(spec, args.seq, 1, args.param_bytes, device, host - states["host"],
+    lines, last = report(spec, args.seq, 1, args.param_bytes, device, host - states,
                          args.sequence_parallel_size, working)
-    print(f"{spec.name}: {n:,} parameters; stage 3 with both tiers offloaded ({form} optimizer states): "
-          f"{states['host'] / GB:.1f} GiB of states on the host")
+    print(f"{spec.name}: {n:,} parameters; stage 3 with both tiers on the host, gathered from the masters "
+          f"({form} optimizer states): {states / GB:.1f} GiB of states on the host per rank")
     for line in lines:
         print(line)
     if grown:

@@ -73,11 +73,13 @@ class Need:
     logits: float               # the head's loss
     device: float               # the peak on the device
     host: float                 # on one host (the checkpoints of the group's ranks there, when there)
+    kept: float = 0.0           # of the checkpoints, the bytes kept on the device (device_bytes)
 
     def label(self) -> str:
         parts = ["tiled MLP and loss"] if self.tiled else []
         if self.on_host:
-            parts.append("checkpoints on the host")
+            parts.append("checkpoints on the host" + (f", {self.kept / GiB:.0f} GiB of them on the device"
+                                                      if self.kept else ""))
         if self.degree > 1:
             parts.append(f"sequence_parallel_size {self.degree}")
         return " + ".join(parts) or "as the model computes it"
@@ -111,6 +113,13 @@ def plan(shape: Shape, seq: int, micro: int, elem: int, device_bytes: float, hos
         if fits(steps[-1]):
             return steps
         steps.append(need(shape, seq, micro, elem, tiled, on_host, degree))
+    if steps[-1].host > host_bytes:     # part of them on the device (activation_checkpointing.device_bytes)
+        full = steps[-1]
+        kept = min(full.checkpoints, max(0.0, device_bytes - full.device) // GiB * GiB)
+        if kept:
+            share = kept / full.checkpoints
+            steps.append(Need(True, True, degree, full.checkpoints, full.block, full.logits, full.device + kept,
+                              full.host * (1 - share), kept))
     p = degree
     while not fits(steps[-1]) and p < 4096 and (shape.heads or 1) % (2 * p) == 0:
         p *= 2
@@ -144,7 +153,8 @@ def report(spec, seq: int, micro: int, elem: int, device_bytes: float, host_byte
         if last.tiled and first.device > room:
             what.append("the MLP and the loss in tiles ([sequence] plugin = \"ulysses\")")
         if last.on_host:
-            what.append("the checkpointed inputs in host memory ([activation_checkpointing] plugin = \"cpu\")")
+            what.append("the checkpointed inputs in host memory ([activation_checkpointing] plugin = \"cpu\""
+                        + (f", device_bytes = {int(last.kept)}" if last.kept else "") + ")")
         if last.degree > degree:
             what.append(f"sequence parallelism over {last.degree} ranks (sequence.sequence_parallel_size = "
                         f"{last.degree})")

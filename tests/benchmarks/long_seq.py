@@ -16,8 +16,9 @@ Frameworks (``--frameworks``):
   states for the 8B shape, whose fp32 states would not leave host memory for activations),
   ``[sequence] plugin = "ulysses"`` (one rank: the MLP and the head's loss in tiles, chunk sizes
   from the memory budget) and ``[activation_checkpointing] plugin = "cpu"`` (the checkpointed
-  blocks' inputs in pinned host memory; the 8B shape's first 16 GiB of them stay on the GPU,
-  ``device_bytes``, as its checkpoints outgrow the host's 128 GiB first);
+  blocks' inputs in pinned host memory; where the estimate says the host cannot hold them all
+  beside the states, as for the 8B shape past about 200K tokens, the first of them stay on the GPU:
+  ``device_bytes``);
 * ``deepspeed``: DeepSpeed (when ``import deepspeed`` works; else "deepspeed not installed") with
   its ALST recipe for one GPU: ZeRO-3 with parameters and optimizer offloaded to the host (bf16
   master weights and states for the 8B shape, for the same reason), ``TiledMLP`` on the MLP with
@@ -112,7 +113,24 @@ def build(name: str, seq: int, device):
     return model
 
 
-def zeroplug_config(name: str, device_type: str, smoke: bool = False) -> dict:
+def kept_on_device(name: str, seq: int) -> int:
+    """Bytes of checkpoints to keep on the GPU (activation_checkpointing.device_bytes): what the
+    estimate (zeroplug.tools.sequence) says the host cannot hold beside the states, as far as the
+    GPU has room; 0 where the host holds them all."""
+    from zeroplug.observe.memory import host_available_bytes
+    from zeroplug.tools.sequence import Shape, need
+    s, m = shape(name, seq), MODELS[name]
+    sh = Shape(s["layers"], s["d"], m.get("intermediate_size", 4 * s["d"]), s["vocab"], None, None)
+    full = need(sh, seq, 1, 2, tiled=True, on_host=True, degree=1)
+    states = s["params"] * (4 + 2 + (2.04 if m.get("int8") else 8))
+    host_room = host_available_bytes() - states - 8 * GiB          # torch, CUDA and pinned slack
+    if full.checkpoints <= host_room:
+        return 0
+    gpu = 76 * GiB
+    return int(max(0, min(full.checkpoints, gpu - full.device)) // GiB * GiB)
+
+
+def zeroplug_config(name: str, device_type: str, smoke: bool = False, seq: int = 0) -> dict:
     int8 = MODELS[name].get("int8", False)
     sequence = {"plugin": "ulysses", "sequence_parallel_size": 1}
     if smoke:       # tiny shapes: chunks small enough to tile
@@ -125,9 +143,10 @@ def zeroplug_config(name: str, device_type: str, smoke: bool = False) -> dict:
             "batch": {"micro_batch_size": 1, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9},
             "sequence": sequence,
             # Note: the 8B shape's checkpoints outgrow the host (128 GiB, 64 of them the states) before the
-            # GPU runs out: its first 16 GiB of them stay on the GPU
+            # GPU runs out: the first of them stay on the GPU
             "activation_checkpointing": {"plugin": "cpu", "min_offload_bytes": 0 if smoke else 1 << 20,
-                                         "device_bytes": (16 << 30) if int8 and not smoke else 0}}
+                                         "device_bytes": 0 if smoke or device_type != "cuda"
+                                         else kept_on_device(name, seq)}}
 
 
 def deepspeed_config(name: str) -> dict:
@@ -158,9 +177,11 @@ class ZeroplugRun:
         import zeroplug
         self.name = name
         model = build(name, seq, device if device.type == "cuda" else "cpu")
-        self.engine = zeroplug.initialize(model, zeroplug_config(name, device.type, smoke), device=device)
+        cfg = zeroplug_config(name, device.type, smoke, seq)
+        self.engine = zeroplug.initialize(model, cfg, device=device)
         stats = getattr(self.engine.activations, "stats", None)
-        self.notes = "tiles and host checkpoints"
+        kept = cfg["activation_checkpointing"]["device_bytes"]
+        self.notes = "tiles and host checkpoints" + (f" ({kept / GiB:.0f} GiB of them on the GPU)" if kept else "")
         self.stats = stats
 
     def step(self, args, kwargs) -> float:
