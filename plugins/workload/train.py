@@ -193,7 +193,8 @@ def cmd_train(args, overrides) -> int:
         engine.eval()
         with torch.no_grad():
             x, y = data.eval_batch(max(1, min(64, 65536 // seq)))     # 64 windows up to 1,024 tokens
-            loss = engine(**sp.shard({"idx": x, "targets": y})).float().item()
+            b = sp.shard({"idx": x, "targets": y})
+            loss = engine(b["idx"], b["targets"], b.get("position_ids")).float().item()
         engine.train()
         return loss
 
@@ -232,7 +233,8 @@ def cmd_train(args, overrides) -> int:
             total = 0.0
             for _ in range(gas):
                 x, y = next(data)
-                loss = engine(**sp.shard({"idx": x, "targets": y}))
+                b = sp.shard({"idx": x, "targets": y})      # this rank's slice (the whole, on one rank)
+                loss = engine(b["idx"], b["targets"], b.get("position_ids"))
                 engine.backward(loss)
                 engine.step()
                 total += loss.item() / gas
