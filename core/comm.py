@@ -67,6 +67,15 @@ class Comm:
             return DONE
         return _all_gather_flat(out, inp, group=self.group, async_op=async_op) or DONE
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """``inp`` cut along dim 0 into world_size equal chunks: chunk j goes to rank j, and
+        chunk i of ``out`` comes from rank i (both contiguous, of the same shape)."""
+        if not self.distributed:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return DONE
+        return dist.all_to_all_single(out, inp, group=self.group, async_op=async_op) or DONE
+
     def broadcast(self, t: torch.Tensor, src: int = 0):
         if self.distributed:
             dist.broadcast(t, src=src, group=self.group)

@@ -79,6 +79,7 @@ SLOT_TABLES = {
     "offload.param": ("offload", "none"),
     "monitor": ("monitor", "stdout"),
     "activation_checkpointing": ("activations", "none"),
+    "sequence": ("sequence", "none"),
 }
 CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions}
 
@@ -195,7 +196,10 @@ def apply_overrides(raw: dict, overrides, pm=None) -> dict:
 
 # --- validation -------------------------------------------------------------------
 
-def _resolve_batch(b: BatchOptions, world: int) -> BatchOptions:
+def _resolve_batch(b: BatchOptions, world: int, label: str = "") -> BatchOptions:
+    """The batch sizes resolved for ``world`` data-parallel ranks (``label``: how messages name
+    that number, when it is not the world size)."""
+    label = label or f"world size ({world})"
     mbs, gas, tbs = b.micro_batch_size, b.gradient_accumulation_steps, b.train_batch_size
     if gas == AUTO and (mbs == AUTO or tbs == AUTO):
         gas = 1
@@ -207,22 +211,38 @@ def _resolve_batch(b: BatchOptions, world: int) -> BatchOptions:
         if tbs % (gas * world):
             raise ConfigError(
                 f"batch.train_batch_size = {tbs} is not divisible by gradient_accumulation_steps "
-                f"({gas}) x world size ({world}) = {gas * world}, so micro_batch_size cannot be "
+                f"({gas}) x {label} = {gas * world}, so micro_batch_size cannot be "
                 f"derived; set train_batch_size to a multiple of {gas * world}", key="batch.train_batch_size")
         mbs = tbs // (gas * world)
     elif gas == AUTO:
         if tbs % (mbs * world):
             raise ConfigError(
                 f"batch.train_batch_size = {tbs} is not divisible by micro_batch_size ({mbs}) x "
-                f"world size ({world}) = {mbs * world}, so gradient_accumulation_steps cannot be "
+                f"{label} = {mbs * world}, so gradient_accumulation_steps cannot be "
                 f"derived; set train_batch_size to a multiple of {mbs * world}", key="batch.train_batch_size")
         gas = tbs // (mbs * world)
     if mbs * gas * world != tbs:
         raise ConfigError(
             f"batch sizes disagree: train_batch_size = {tbs}, but micro_batch_size ({mbs}) x "
-            f"gradient_accumulation_steps ({gas}) x world size ({world}) = {mbs * gas * world}. "
+            f"gradient_accumulation_steps ({gas}) x {label} = {mbs * gas * world}. "
             f"Set train_batch_size = \"auto\" or make the product equal it", key="batch.train_batch_size")
     return dataclasses.replace(b, micro_batch_size=mbs, gradient_accumulation_steps=gas, train_batch_size=tbs)
+
+
+def _data_parallel(slots: dict, world: int) -> tuple[int, str]:
+    """The ranks that the batch arithmetic counts and how messages name them: the world size,
+    divided by the ranks that share one sample (the ``[sequence]`` slot's
+    ``ranks_per_sample``: DeepSpeed's sequence_parallel_size)."""
+    choice = slots.get("sequence")
+    share = getattr(choice.impl, "ranks_per_sample", None) if choice else None
+    n = share(choice.options) if share else 1
+    if n == 1:
+        return world, ""
+    if world % n:
+        raise ConfigError(f"sequence.sequence_parallel_size = {n} does not divide the world size ({world}): "
+                          f"each group of {n} consecutive ranks shares one sequence; run a multiple of {n} "
+                          f"ranks or pick a divisor of {world}", key="sequence.sequence_parallel_size")
+    return world // n, f"data-parallel ranks ({world // n} = world size {world} / sequence_parallel_size {n})"
 
 
 def _check_shared(table, name: str, options_cls) -> None:
@@ -264,7 +284,7 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
         if not isinstance(offload[key], dict):
             raise ConfigError(f"[offload.{key}] must be a table", key=f"offload.{key}")
 
-    batch = _resolve_batch(build_options(BatchOptions, raw.get("batch", {}), "batch"), world_size)
+    batch_options = build_options(BatchOptions, raw.get("batch", {}), "batch")
     ckpt = build_options(CheckpointOptions, raw.get("checkpoint", {}), "checkpoint")
     slots, used_shared = {}, set()
     for path, (slot, default) in SLOT_TABLES.items():
@@ -287,6 +307,7 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
         logging.getLogger("zeroplug").warning(
             "[zeroplug] [%s] is set but no selected plugin uses it (it configures: %s); it changes nothing",
             t, ", ".join(sorted(f"{s}:{r.name}" for s, r in owners[t])))
+    batch = _resolve_batch(batch_options, *_data_parallel(slots, world_size))
     cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size)
     for choice in slots.values():   # cross-slot rules, e.g. offload.param needs stage 3
         check = getattr(choice.impl, "check_config", None)

@@ -349,6 +349,15 @@ class Engine:
         self.hook.zeroplug_reload_states(engine=self, non_blocking=non_blocking)
         self.states_offloaded.clear()
 
+    def sequence(self):
+        """The ``[sequence]`` strategy this engine trains with (:class:`zeroplug.slots.SequenceStrategy`:
+        ``.group``, ``.shard(batch)``, ``.loader(loader)``), as the plugin that attached it says."""
+        strategy = self.hook.zeroplug_sequence_strategy(engine=self)
+        if strategy is None:
+            raise PluginError("no [sequence] strategy is attached to this engine: the built-in \"sequence\" "
+                              "plugin is blocked (ZEROPLUG_PLUGINS_BLOCK / ZEROPLUG_PLUGINS_ALLOW): allow it")
+        return strategy
+
     def require_states(self, what: str) -> None:
         """Raise unless the training state is whole and in place for ``engine.<what>()``:
         StepFailedError after a step that failed part-way (until a checkpoint is loaded),

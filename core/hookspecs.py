@@ -121,6 +121,19 @@ def zeroplug_register_activations(register: Register) -> None:
 
 
 @hookspec
+def zeroplug_register_sequence(register: Callable[[str, type], None]) -> None:
+    """Register how the ranks share long sequences (the ``[sequence]`` slot: none, or ulysses:
+    each sequence sliced over a group of ranks, attention exchanging heads for sequence, the MLP
+    and the head's loss computed in tiles).
+
+    Called once at setup.
+
+    :param register: ``register(name, cls)`` with ``cls`` following
+        :class:`zeroplug.slots.SequenceStrategy`.
+    """
+
+
+@hookspec
 def zeroplug_model_presets() -> dict[str, Callable[[bool], Any]] | None:
     """Name the models ``--model`` accepts. Called by ``zeroplug estimate`` /
     ``zeroplug tune`` (and ``zeroplug.tools.probe.load_spec``). The built-in ``workload``
@@ -163,6 +176,17 @@ def zeroplug_engine_setup(engine: Engine) -> None:
     warm-up here).
 
     :param engine: the engine being initialised (its states, optimizer and schedule exist).
+    """
+
+
+@hookspec(firstresult=True)
+def zeroplug_sequence_strategy(engine: Engine) -> Any:
+    """Name the ``[sequence]`` strategy ``engine`` trains with. Called by
+    :meth:`zeroplug.engine.Engine.sequence` (a training loop asks it how to slice its batches).
+
+    :param engine: the engine asked about.
+    :returns: the strategy (following :class:`zeroplug.slots.SequenceStrategy`: ``.group``,
+        ``.shard(batch)``, ``.loader(loader)``), or None where this plugin did not attach one.
     """
 
 

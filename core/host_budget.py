@@ -11,10 +11,15 @@ plus the model's own host memory that the stage moves to the training device, an
 run may plan for). A run that cannot fit is refused with the numbers and the fixes,
 instead of being killed by the kernel's OOM killer part-way (exit code 247 / 137).
 
+Activations on the host (``[activation_checkpointing] plugin = "cpu"``) depend on the batch,
+so they are counted as they come: :func:`host_room` (at the end of ``initialize``, once the tiers
+hold their memory) gives each rank its share of what its host has left after the states'
+budget, and the store refuses a copy that would pass it (HostMemoryError, with the numbers),
+instead of the kernel killing the run.
+
 Not counted: the tiers' transient buffers that depend on the layout (swap buffers sized
-by sub-group, the speculative step's copies), activations on the host (their size depends
-on the batch) and an asynchronous checkpoint's copy (it is checked at each save, which
-falls back to a synchronous one).
+by sub-group, the speculative step's copies) and an asynchronous checkpoint's copy (it is
+checked at each save, which falls back to a synchronous one).
 """
 from __future__ import annotations
 
@@ -93,6 +98,7 @@ def check_host_budget(run, module: torch.nn.Module, needs: list[tuple[str, objec
     limit = _limit()
     if limit is not None and limit < available:
         available, source = limit, f"{LIMIT_ENV}"
+    run.host_planned = total
     if total <= available:
         return
     parts = "; ".join(f"{path}: {_gib(h.total)} {'pinned' if h.pinned else 'pageable'}, {h.what}"
@@ -110,3 +116,21 @@ def check_host_budget(run, module: torch.nn.Module, needs: list[tuple[str, objec
         f"host memory: the offload tiers need {_exact(per_rank)} per rank ({parts}){together}, but this host "
         f"has {_exact(available)} ({source}): the kernel would kill the run part-way. Fix: "
         + "; or ".join(fixes) + ".")
+
+
+def host_room(run) -> tuple[int, str]:
+    """(bytes, where the number comes from): what this rank may still take from its host for
+    memory that grows with the batch (activations), its share of the host's ranks: what the host
+    has available now (the tiers' buffers are allocated by then), or, under
+    ``ZEROPLUG_HOST_MEMORY_LIMIT``, that limit less the tiers' planned bytes. Every rank must call
+    it (collective when several ranks run)."""
+    mine = {"host": socket.gethostname(), "free": host_available_bytes(), "source": host_memory_source()}
+    everyone = run.comm.all_gather_object(mine) if run.comm.distributed else [mine]
+    here = [e for e in everyone if e["host"] == mine["host"]]
+    free = min(e["free"] for e in here)
+    source = next(e["source"] for e in here if e["free"] == free)
+    limit = _limit()
+    if limit is not None and limit - run.host_planned < free:
+        free, source = max(0, limit - run.host_planned), f"{LIMIT_ENV} less the offload tiers' {_gib(run.host_planned)}"
+    ranks = len(here)
+    return free // ranks, (source + (f", shared by {ranks} ranks on this host" if ranks > 1 else ""))

@@ -34,6 +34,7 @@ SLOTS = {
     "offload": "zeroplug_register_offload_devices",
     "monitor": "zeroplug_register_monitors",
     "activations": "zeroplug_register_activations",
+    "sequence": "zeroplug_register_sequence",
 }
 
 

@@ -46,6 +46,9 @@ class RunContext:
     # set by the engine, or by a tier whose step finishes after engine.step() returns);
     # None while it is. Cleared by loading a checkpoint.
     failed: str | None = None
+    # host bytes the offload tiers planned on this host (initialize's host-memory check), which
+    # memory that grows with the batch must leave them (zeroplug.host_budget.host_room)
+    host_planned: int = 0
 
     @property
     def rank(self) -> int:
@@ -209,6 +212,35 @@ class ActivationStore:
 
     def close(self) -> None:
         """Called by ``engine.close()``."""
+
+
+class SequenceStrategy:
+    """How the ranks share the tokens of long sequences (the ``[sequence]`` slot).
+
+    It acts on the model, not on the step: at the end of ``initialize`` (on
+    ``zeroplug_engine_setup``) its plugin builds it and calls :meth:`attach`, which may split
+    each sequence over groups of ranks (their attention exchanging heads for sequence) and
+    compute parts of the model in tiles along the sequence. The ZeRO stage still shards the
+    states over every rank; the batch arithmetic counts each group once (``ranks_per_sample``).
+    """
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options, run: RunContext):
+        self.options, self.run = options, run
+
+    @classmethod
+    def ranks_per_sample(cls, options) -> int:
+        """Ranks that share one sample's sequence (DeepSpeed's sequence_parallel_size): the
+        batch sizes count world size / this many data-parallel ranks."""
+        return 1
+
+    def attach(self, engine) -> None:
+        """Called once by its plugin while ``initialize`` ends (every rank)."""
+
+    def close(self) -> None:
+        """Undo :meth:`attach` (called when the engine closes)."""
 
 
 class Partitioner:

@@ -62,6 +62,8 @@ def cmd_estimate(args, overrides) -> int:
     act = None
     if args.activations_on_host and not args.micro_batch:
         raise ZeroplugError("--activations-on-host needs --micro-batch (a probe step measures the activations)")
+    if args.seq is not None and not args.micro_batch:
+        return _estimate_sequence(args)
     if args.params:
         if args.micro_batch:
             raise ZeroplugError("--micro-batch measures a model's activations: give --model, not --params")
@@ -98,6 +100,54 @@ def cmd_estimate(args, overrides) -> int:
     if len(forms) > 1:
         print("optim/bf16, optim/int8: the offloaded optimizer's Adam moments held in bf16 or block-quantised "
               "int8 (optimizer.state_dtype; host bytes per parameter for the states: 8, 4, 2.03)")
+    return 0
+
+
+def _estimate_sequence(args) -> int:
+    """``zeroplug estimate --seq N`` without --micro-batch: a long sequence's activations from the
+    model's shape, and the mechanisms it needs (zeroplug.tools.sequence)."""
+    import torch
+
+    from zeroplug.observe.memory import GB, host_available_bytes
+    from zeroplug.tools.probe import load_spec
+    from zeroplug.tools.sequence import Shape, report
+    if args.params:
+        raise ZeroplugError("--seq estimates a model's activations from its shape: give --model, not --params")
+    if args.seq < 1 or args.sequence_parallel_size < 1:
+        raise ZeroplugError("--seq and --sequence-parallel-size must be at least 1")
+    spec = load_spec(args.model)
+    n = spec.num_params()
+    grown = 0
+    if not spec.hf and spec.max_seq and args.seq > spec.max_seq:
+        # Note: the reference GPT learns one position embedding per position
+        grown = (args.seq - spec.max_seq) * Shape.of(spec).d_model
+        n += grown
+    if args.device_gib:
+        device = args.device_gib * GB
+    elif args.device != "cpu" and torch.cuda.is_available():
+        device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    else:
+        device = 80 * GB
+    host = (args.host_gib * GB if args.host_gib else host_available_bytes())
+    form = "int8" if args.state_dtype == "all" else args.state_dtype
+    from zeroplug.quantized_states import state_bytes
+    # Note: stage 3 with both tiers on the host, gathered from the masters (stage3_params_from_masters):
+    # the fp32 master, the gradient (bf16 on one rank, where that is exact; fp32 with several) and
+    # Adam's moments, per element of this rank's shard
+    grad = args.param_bytes if args.world_size == 1 else 4
+    states = n * (4 + grad + state_bytes(form)) / args.world_size
+    layers = spec.n_layer or 1
+    working = 2 * n / layers * args.param_bytes        # two blocks gathered (the running one, the next)
+    lines, last = report(spec, args.seq, 1, args.param_bytes, device, host - states,
+                         args.sequence_parallel_size, working)
+    print(f"{spec.name}: {n:,} parameters; stage 3 with both tiers on the host, gathered from the masters "
+          f"({form} optimizer states): {states / GB:.1f} GiB of states on the host per rank")
+    for line in lines:
+        print(line)
+    if grown:
+        print(f"note: {grown:,} of the parameters are the position embeddings of the {args.seq - spec.max_seq:,} "
+              f"positions past the preset's {spec.max_seq:,} (the reference GPT learns one per position; "
+              f"zeroplug train --seq {args.seq} builds them)")
     return 0
 
 
@@ -213,8 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--param-bytes", type=int, default=2, choices=[2, 4])
     e.add_argument("--micro-batch", type=int, help="measure the activations of this micro batch (a probe step)")
-    e.add_argument("--seq", type=int, help="sequence length of the probe (default 1024, or the model's "
-                                           "longest if shorter)")
+    e.add_argument("--seq", type=int, help="with --micro-batch: the probe's sequence length (default 1024, or the "
+                                           "model's longest if shorter); alone: a long sequence's activations from "
+                                           "the model's shape (micro batch 1) and which of tiles, checkpoints on the "
+                                           "host and sequence parallelism it needs to fit the device")
+    e.add_argument("--sequence-parallel-size", type=int, default=1,
+                   help="with --seq: ranks sharing each sequence (the estimate tries larger ones if needed)")
+    e.add_argument("--device-gib", type=float, help="with --seq: device memory per rank (default: this GPU's, "
+                                                    "else 80)")
+    e.add_argument("--host-gib", type=float, help="with --seq: host memory (default: what is available now)")
     e.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"], help="where the probe runs")
     e.add_argument("--activations-on-host", action="store_true",
                    help="count the checkpointed blocks' inputs in host memory, as [activation_checkpointing] "

@@ -24,7 +24,7 @@ _NVME_ONLY = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipelin
               "fast_init")
 #: zeroplug's own table names: a dict with none of DeepSpeed's keys is a zeroplug config
 _ZEROPLUG_TABLES = {"batch", "checkpoint", "zero", "precision", "optimizer", "scheduler", "offload", "monitor",
-                    "aio", "activation_checkpointing"}
+                    "aio", "activation_checkpointing", "sequence"}
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Translation:
     origin: dict[str, str] = field(default_factory=dict)   # zeroplug key -> DeepSpeed key
     hidden: list[str] = field(default_factory=list)    # zeroplug keys to fill from the model's hidden size
     batch: dict = field(default_factory=dict)          # the DeepSpeed batch sizes given as numbers
+    sequence_parallel_size: int = 1                    # ranks per sequence: the batch counts world / this
     reported: bool = False
 
 
@@ -227,8 +228,9 @@ class _Translator:
         self.optimizer(self.table("optimizer", ds.get("optimizer")))
         self.scheduler(self.table("scheduler", ds.get("scheduler")))
         self.activations(self.table("activation_checkpointing", ds.get("activation_checkpointing")))
+        self.sequence(ds.get("sequence_parallel_size"))
         done = {*_BATCH, "zero_optimization", "fp16", "bf16", "bfloat16", "communication_data_type", "optimizer",
-                "scheduler", "activation_checkpointing"}
+                "scheduler", "activation_checkpointing", "sequence_parallel_size"}
         for k, v in ds.items():
             if k not in done:
                 self.key(k, v, strict=False)
@@ -243,6 +245,20 @@ class _Translator:
             self.t.origin["activation_checkpointing.plugin"] = path
             _set(self.raw, "activation_checkpointing.plugin", "cpu")
         self.walk("activation_checkpointing", ac, skip=("cpu_checkpointing",))
+
+    def sequence(self, size) -> None:
+        """sequence_parallel_size above 1: the ulysses plugin with that many ranks per sequence."""
+        path = "sequence_parallel_size"
+        size = self.value(path, size)
+        if size is None or size == 1:
+            return
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"DeepSpeed key {path} = {_show(size)}: use a positive integer", key=path)
+        self.t.origin["sequence.plugin"] = path
+        self.t.origin["sequence.sequence_parallel_size"] = path
+        self.t.sequence_parallel_size = size
+        _set(self.raw, "sequence.plugin", "ulysses")
+        _set(self.raw, "sequence.sequence_parallel_size", size)
 
     def batch(self, ds: dict) -> None:
         def number(v):
@@ -526,10 +542,15 @@ def fill_from_model(raw: DeepSpeedRaw, model) -> None:
 
 
 def check_batch(raw: DeepSpeedRaw, world: int) -> None:
-    """DeepSpeed's batch arithmetic, with DeepSpeed's key names in the message."""
+    """DeepSpeed's batch arithmetic, with DeepSpeed's key names in the message (the world counts
+    data-parallel ranks: world size / sequence_parallel_size, as DeepSpeed counts them)."""
     b = raw.translation.batch
     t, m, g = (b.get(k) for k in _BATCH)
-    names = "train_micro_batch_size_per_gpu ({}) x gradient_accumulation_steps ({}) x world size ({})"
+    sp = raw.translation.sequence_parallel_size
+    if sp > 1 and world % sp == 0:
+        world //= sp
+    names = ("train_micro_batch_size_per_gpu ({}) x gradient_accumulation_steps ({}) x "
+             + ("world size ({})" if sp == 1 else f"data-parallel ranks ({{}} = world size / sequence_parallel_size {sp})"))
     if t is not None and m is not None and g is not None and t != m * g * world:
         raise ConfigError(f"DeepSpeed keys disagree: train_batch_size = {t}, but {names.format(m, g, world)} = "
                           f"{m * g * world} (DeepSpeed refuses this too). Set train_batch_size to {m * g * world} or "

@@ -341,10 +341,16 @@ RULES: dict[str, Rule] = {
     "tensor_parallel.*": ignored("tensor parallelism only"),
     "expert_parallel": refused("zeroplug has no expert parallelism: every rank holds every expert; remove "
                                "it", quiet=OFF),
-    "sequence_parallel_size": refused("zeroplug has no sequence parallelism: remove it (every rank then "
-                                      "sees whole sequences)", quiet=(1,)),
-    "seq_parallel_communication_data_type": ignored("sequence parallelism only"),
-    "seq_parallel_comm_data_type": ignored("sequence parallelism only"),
+    "sequence_parallel_size": moved(
+        "sequence.sequence_parallel_size", "above 1: [sequence] plugin = \"ulysses\" with that many consecutive "
+        "ranks per sequence (Ulysses attention; the MLP and the head's loss in tiles where a sequence needs them); "
+        "the batch sizes count world size / sequence_parallel_size data-parallel ranks, as DeepSpeed counts them. "
+        "The script slices its batches (engine.sequence().shard / .loader, in place "
+        "of UlyssesSPDataLoaderAdapter) and needs no UlyssesSPAttentionHF.register_with_transformers; 1: nothing"),
+    "seq_parallel_communication_data_type": ignored(
+        "the dtype of sequence parallelism's all-to-alls; zeroplug exchanges the model's dtype (exact)"),
+    "seq_parallel_comm_data_type": ignored(
+        "the dtype of sequence parallelism's all-to-alls; zeroplug exchanges the model's dtype (exact)"),
     "use_data_before_expert_parallelism": ignored("expert parallelism only"),
     "pipeline": ignored("it configures DeepSpeed's PipelineModule, which a model must be built as; "
                         "zeroplug has no pipeline parallelism"),

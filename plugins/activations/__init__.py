@@ -35,18 +35,23 @@ class OnHost(ActivationStore):
         min_offload_bytes: int = opt(
             1 << 20, "Saved block inputs smaller than this stay on the device: each copy has a fixed cost "
                      "(a launch and an event) whatever its size.", min=0)
+        device_bytes: int = opt(
+            0, "Block inputs of a forward that stay on the device, up to this many bytes (the first ones "
+               "saved, which the backward needs last); the rest go to the host. For sequences whose "
+               "checkpoints outgrow the host's memory while the device has room left.", min=0)
 
     def __init__(self, options, run):
         super().__init__(options, run)
         self.store = HostActivations(run.device, options.pin_memory, options.buffer_count,
-                                     options.min_offload_bytes)
+                                     options.min_offload_bytes, options.device_bytes)
         self._warned = False
 
     @property
     def stats(self):
         """Counts since initialize: ``offloaded`` (tensors copied out), ``offloaded_bytes``,
         ``kept`` (given back from the device: their copy was still in flight), ``fetched`` (copied
-        back at their use), ``prefetched`` (copied back ahead of it)."""
+        back at their use), ``prefetched`` (copied back ahead of it), ``kept_on_device`` (left there
+        by ``device_bytes``)."""
         return self.store.stats
 
     def host_bytes(self) -> int:
@@ -66,6 +71,16 @@ class OnHost(ActivationStore):
                             "around each block). A torch.compile'd model saves inside its compiled graph, "
                             "where these hooks see no checkpoint: compile each block instead of the model",
                             self.options.min_offload_bytes)
+
+
+@hookimpl
+def zeroplug_engine_setup(engine):
+    """The host store counts its copies against this rank's share of the host memory left
+    after the states (the tiers hold theirs by now): zeroplug.host_budget.host_room."""
+    store = engine.activations
+    if isinstance(store, OnHost):
+        from zeroplug.host_budget import host_room
+        store.store.room, store.store.room_source = host_room(engine.run)
 
 
 @hookimpl

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+from zeroplug.errors import HostMemoryError
 from zeroplug.recompute import saved_by_checkpoint
 
 from .lanes import CopyLanes
@@ -52,21 +53,28 @@ class Saved:
 class Forward:
     """One forward's offloaded tensors, in the order they were saved (weakly: autograd's saved
     tensors own them, so a graph that is dropped frees its host copies)."""
-    __slots__ = ("saved", "seen", "__weakref__")
+    __slots__ = ("saved", "seen", "kept", "__weakref__")
 
     def __init__(self):
         self.saved: list[weakref.ref] = []
         self.seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}   # id(tensor): one copy per tensor
+        self.kept = 0       # bytes of block inputs left on the device (HostActivations.device_bytes)
 
 
 #: the counters of HostActivations.stats
-STATS = ("offloaded", "offloaded_bytes", "kept", "fetched", "prefetched")
+STATS = ("offloaded", "offloaded_bytes", "kept", "fetched", "prefetched", "kept_on_device")
+
+
+def _release(held: list, nbytes: int) -> None:
+    held[0] -= nbytes
 
 
 class HostActivations:
     """The pack and unpack hooks, and their bookkeeping, for one engine."""
 
-    def __init__(self, device: torch.device, pin_memory: bool, buffer_count: int, min_bytes: int):
+    def __init__(self, device: torch.device, pin_memory: bool, buffer_count: int, min_bytes: int,
+                 device_bytes: int = 0):
+        self.device_bytes = device_bytes        # the first block inputs of a forward, up to this, stay
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             # Note: tensors name their index ("cuda:0"), and torch.device("cuda") equals none of them
@@ -79,10 +87,27 @@ class HostActivations:
         self._in_flight: collections.deque = collections.deque()   # weakrefs to Saved, oldest first
         self.stats = collections.Counter(dict.fromkeys(STATS, 0))
         self._live: weakref.WeakSet = weakref.WeakSet()       # every Saved whose graph is alive
+        # this rank's share of the host memory left after the states (zeroplug.host_budget.host_room;
+        # None: not counted) and where the number comes from
+        self.room: int | None = None
+        self.room_source = ""
+        self._held = [0]        # host bytes of the Saved alive (a list: the finalizers add to it)
 
     def host_bytes(self) -> int:
         """Host bytes held now by the block inputs of graphs still alive."""
-        return sum(s.host.numel() * s.host.element_size() for s in list(self._live))
+        return self._held[0]
+
+    def _check_room(self, nbytes: int) -> None:
+        if self.room is None or self._held[0] + nbytes <= self.room:
+            return
+        from zeroplug.observe.memory import GB
+        raise HostMemoryError(
+            f"[activation_checkpointing] plugin = \"cpu\": the checkpointed blocks' inputs need more host memory "
+            f"than this rank's share of what the host has left after the states ({self.room / GB:.2f} GiB: "
+            f"{self.room_source}); {self._held[0] / GB:.2f} GiB are held and the next input takes "
+            f"{nbytes / GB:.3f} GiB. Fix: shorter sequences or a smaller micro batch; more ranks per sequence "
+            f"(sequence.sequence_parallel_size); less offloaded state; or keep them on the device "
+            f"(activation_checkpointing.plugin = \"none\")")
 
     @contextmanager
     def hooks(self):
@@ -108,10 +133,18 @@ class HostActivations:
         hit = fwd.seen.get(id(t))
         if hit is not None and hit[0]() is t and hit[1]() is not None:
             return hit[1]()
+        nbytes = t.numel() * t.element_size()
+        if fwd.kept + nbytes <= self.device_bytes:
+            fwd.kept += nbytes
+            self.stats["kept_on_device"] += 1
+            return t
+        self._check_room(nbytes)
         host, copied = self.lanes.copy_out(t)
         s = Saved(fwd, len(fwd.saved), host, copied, t)
         fwd.saved.append(weakref.ref(s))
         self._live.add(s)
+        self._held[0] += nbytes
+        weakref.finalize(s, _release, self._held, nbytes)
         fwd.seen[id(t)] = (weakref.ref(t), weakref.ref(s))
         self.stats["offloaded"] += 1
         self.stats["offloaded_bytes"] += host.numel() * host.element_size()

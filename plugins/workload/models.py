@@ -52,19 +52,28 @@ class Embedding(nn.Embedding):
 # nn.LayerNorm already initialises to ones / zeros in its constructor.
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled-dot-product attention over ``[B, H, T, hd]`` queries, keys and values."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, bias=True)
         self.proj = Linear(cfg.d_model, cfg.d_model, bias=True)
+        # Note: the attention itself, a plain attribute so that a plugin can replace it on an
+        # instance without editing the model (sequence parallelism exchanges heads for
+        # sequence around it: zeroplug.plugins.sequence)
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         H = self.n_head
         qkv = self.qkv(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)  # 3, B, H, T, hd
         q, k, v = qkv.unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # B, H, T, hd
+        y = self.attend(q, k, v)  # B, H, T, hd
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.proj(y)
 
@@ -95,8 +104,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """``GPT(cfg)``; ``forward(idx, targets=None)`` -> logits (B, T, vocab), or the mean
-    cross-entropy loss (a 0-dim fp32 tensor) when ``targets`` is given."""
+    """``GPT(cfg)``; ``forward(idx, targets=None, position_ids=None)`` -> logits (B, T, vocab),
+    or the mean cross-entropy loss (a 0-dim fp32 tensor; targets of -100 are left out) when
+    ``targets`` is given. ``position_ids`` (B, T) or (T,): the tokens' positions (default
+    0 .. T-1; a slice of a longer sequence passes its own)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -107,21 +118,34 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        if position_ids is None:
+            if T > self.cfg.seq_len:
+                raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+            position_ids = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(position_ids)
         use_ckpt = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if use_ckpt:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.head(self.ln_f(x))
+        x = self.ln_f(x)
         if targets is None:
-            return logits
+            return self.head(x)
+        return self.head_loss(x, targets)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The head over the final hidden states ``x`` and the mean cross entropy against
+        ``targets`` (fp32). Note: a method of its own so that a plugin can replace it on an
+        instance (a loss computed in tiles, never holding all the logits)."""
+        logits = self.head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
@@ -170,6 +194,7 @@ __all__ = [
     "GPT",
     "Block",
     "CausalSelfAttention",
+    "causal_attention",
     "MLP",
     "Linear",
     "Embedding",

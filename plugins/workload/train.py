@@ -42,7 +42,9 @@ def add_parser(sub) -> None:
     t.add_argument("--model", choices=list(PRESETS), metavar="PRESET",
                    help=f"model preset: {', '.join(PRESETS)} (default char-tiny: byte-level, 0.8 M "
                         "parameters; the others are GPT-2-style sizes with a 50,304 vocabulary)")
-    t.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    t.add_argument("--seq", type=int, help="sequence length (default: the preset's; a longer one adds position "
+                                          "embeddings; with [sequence] plugin = \"ulysses\" each sequence is "
+                                          "sliced over sequence_parallel_size ranks and tiled)")
     t.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="checkpoint every block (its activations are recomputed in the backward); on by itself "
                         "when [activation_checkpointing] picks a store other than \"none\" (e.g. "
@@ -293,8 +295,7 @@ def cmd_train(args, overrides) -> int:
     except (OSError, KeyError, ValueError) as exc:
         raise ZeroplugError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
     if args.seq is not None and args.seq > mcfg.seq_len:
-        raise ZeroplugError(f"--seq {args.seq}: model {args.model} takes at most {mcfg.seq_len} tokens per "
-                            f"sequence (e.g. --seq {mcfg.seq_len})")
+        mcfg = mcfg.with_(seq_len=args.seq)     # the reference GPT learns one embedding per position
     seq = args.seq or mcfg.seq_len
     if len(corpus) < min_corpus_bytes(seq):
         what = f"--data {args.data!r}" if args.data else "the corpus (--max-bytes)"
@@ -341,8 +342,9 @@ def cmd_train(args, overrides) -> int:
         if rank == 0:
             _write_run_files(run_dir, given, cfg, schedule_comments, args, cfg_path, overrides, world, saved_args)
         _attach_csv(engine, run_dir / rundir.METRICS)
-    data = ByteBatches(corpus, cfg.batch.micro_batch_size, seq, seed=args.seed, rank=rank,
-                       world_size=world, device=device)
+    sp = engine.sequence()      # the ranks of a sequence group read the same windows, each trains its slice
+    data = ByteBatches(corpus, cfg.batch.micro_batch_size, seq, seed=args.seed, rank=sp.group.data_parallel_rank,
+                       world_size=sp.group.data_parallel_size, device=device)
     if rank == 0:
         print(f"model {args.model}: {sum(p.numel() for p in model.parameters()):,} parameters; "
               f"data: {len(corpus):,} bytes of {source}", flush=True)
@@ -350,8 +352,9 @@ def cmd_train(args, overrides) -> int:
     def eval_loss() -> float:
         engine.eval()
         with torch.no_grad():
-            x, y = data.eval_batch(64)
-            loss = engine(x, y).float().item()
+            x, y = data.eval_batch(max(1, min(64, 65536 // seq)))     # 64 windows up to 1,024 tokens
+            b = sp.shard({"idx": x, "targets": y})
+            loss = engine(b["idx"], b["targets"], b.get("position_ids")).float().item()
         engine.train()
         return loss
 
@@ -394,7 +397,8 @@ def cmd_train(args, overrides) -> int:
             total = 0.0
             for _ in range(gas):
                 x, y = next(data)
-                loss = engine(x, y)
+                b = sp.shard({"idx": x, "targets": y})      # this rank's slice (the whole, on one rank)
+                loss = engine(b["idx"], b["targets"], b.get("position_ids"))
                 engine.backward(loss)
                 engine.step()
                 total += loss.item() / gas

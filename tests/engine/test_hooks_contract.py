@@ -44,6 +44,7 @@ class Recorder:
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
+        self.strategy = None        # what zeroplug_sequence_strategy answers
 
     def of(self, name):
         return [kw for n, kw in self.calls if n == name]
@@ -89,6 +90,11 @@ class Recorder:
     @zeroplug.hookimpl
     def zeroplug_reload_states(self, engine):
         self.calls.append(("zeroplug_reload_states", {"engine": engine}))
+
+    @zeroplug.hookimpl(tryfirst=True)
+    def zeroplug_sequence_strategy(self, engine):
+        self.calls.append(("zeroplug_sequence_strategy", {"engine": engine}))
+        return self.strategy        # None: the built-in plugin's answer stands
 
     @zeroplug.hookimpl
     def zeroplug_engine_closed(self, engine):
@@ -214,6 +220,19 @@ def test_engine_setup_before_created():
     calls = rec.of("zeroplug_engine_setup")
     assert len(calls) == 1 and calls[0]["engine"] is engine
     assert calls[0]["has_optimizer"] and not calls[0]["created"]
+    engine.close()
+
+
+def test_sequence_strategy_is_the_plugins_answer():
+    """engine.sequence() is the first plugin's answer: the built-in ``sequence`` plugin's
+    strategy where no other answers, another plugin's where it answers first."""
+    rec = Recorder()
+    engine = make_engine(rec)
+    sp = engine.sequence()
+    assert [c["engine"] for c in rec.of("zeroplug_sequence_strategy")] == [engine]
+    assert sp.group.degree == 1 and sp.group.data_parallel_size == 1    # the built-in's, one rank
+    rec.strategy = mine = object()
+    assert engine.sequence() is mine
     engine.close()
 
 
@@ -491,6 +510,7 @@ COVERED = {
     "zeroplug_gathered_params": "test_gathered_params_hook",
     "zeroplug_engine_setup": "test_engine_setup_before_created",
     "zeroplug_phase": "test_phases_in_step_order_and_phase_metrics",
+    "zeroplug_sequence_strategy": "test_sequence_strategy_is_the_plugins_answer",
     "zeroplug_memory_report": "test_memory_report_and_state_devices_come_from_plugins",
     "zeroplug_state_devices": "test_memory_report_and_state_devices_come_from_plugins",
     "zeroplug_model_presets": "test_model_presets_and_commands_come_from_plugins",

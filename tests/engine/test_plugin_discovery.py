@@ -18,7 +18,7 @@ from tests.support.toy import ToyNet
 
 
 BUILTINS = ("zero", "precision", "optim", "schedulers", "offload_cpu", "monitors", "activations", "warmup",
-            "observe", "offload_states", "workload")
+            "observe", "offload_states", "workload", "sequence")
 
 FAKE_SGD = '''
 from dataclasses import dataclass

@@ -92,7 +92,8 @@ BAD = {
                           ["c.toml", "nested more deeply"]),
     "config-dev-zero": ({}, ["--config", "/dev/zero"], ["config file '/dev/zero' is not a regular file"]),
     "steps-abc": ({}, ["--steps", "abc"], ["zeroplug train: argument --steps: invalid int value: 'abc'"]),
-    "seq-1e9": ({}, ["--seq", "1000000000"], ["--seq 1000000000: model char-tiny takes at most 128 tokens"]),
+    "seq-1e9": ({}, ["--seq", "1000000000"], ["is too small for one training window of 1000000001 bytes",
+                                              "a shorter --seq"]),
 }
 
 
