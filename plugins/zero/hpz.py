@@ -56,9 +56,6 @@ class SecondaryFirst:
             u.secondary.keep(u.full)      # later gathers, until the next step: in the group
         self.source.gathered(u)
 
-    def bind_master(self, u) -> None:
-        self.source.bind_master(u)
-
     def fetch(self, u) -> None:
         self.source.fetch(u)
 

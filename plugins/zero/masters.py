@@ -32,7 +32,7 @@ class Masters:
     sub_group_ranges: list | None = None    # [start, end) of each tensor in the rank's numbering
     offload: object | None = None           # the stage's side of the tier contract (offload.py)
     #: the units whose model-dtype shard the device step writes from the master (none when
-    #: the masters alias the shards or a tier publishes them; not those gathered from it)
+    #: the masters alias the shards or a tier publishes them)
     published: list = field(default_factory=list)
 
 
@@ -56,7 +56,7 @@ def make_masters(part) -> Masters:
                        sub_group_ranges=offload.sub_group_ranges, offload=offload)
     total = sum(u.hi - u.lo for u in part.units)
     flat = torch.empty(total, dtype=torch.float32, device=part.device)
-    published = [u for u in part.units if not u.source.from_master]
+    published = list(part.units)
     off = 0
     ranges = []
     for u in part.units:

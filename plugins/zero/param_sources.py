@@ -63,7 +63,9 @@ class DeviceShard:
         return True
 
     def __init__(self, part):
-        pass
+        #: the source a unit has while it is built, before its master exists: it fills the
+        #: unit from its own shard (a persistent unit built by zeroplug.init is gathered then)
+        self.seed = self
 
     def fill(self, u, comm, upload=None):
         return comm.all_gather(u.full, u.shard, async_op=True)
@@ -72,7 +74,9 @@ class DeviceShard:
         """``u``'s gather was waited for."""
 
     def bind_master(self, u) -> None:
-        """``u``'s master exists (trainable units, after the masters are laid out)."""
+        """``u``'s master exists (trainable units, after the masters are laid out): from now on
+        ``u`` is filled from this source."""
+        u.source = self
 
     # -- the param tier, around a gather -----------------------------------------------
     def fetch(self, u) -> None:
@@ -106,6 +110,7 @@ class TierShard(DeviceShard):
         return part.params_offloaded
 
     def __init__(self, part):
+        super().__init__(part)
         self.tier = part.offload_param
 
     def fetch(self, u) -> None:
@@ -157,7 +162,12 @@ class MasterCast(DeviceShard):
     def applies(cls, part, trainable: bool) -> bool:
         return trainable and part.lp_from_master
 
+    def __init__(self, part):
+        super().__init__(part)
+        self.seed = DeviceShard(part)     # (the shard seeds the unit, and its master)
+
     def bind_master(self, u) -> None:
+        u.source = self
         u.lp_source = u.master
         free_storage(u.shard)       # (refilled from the master for checkpoints)
 

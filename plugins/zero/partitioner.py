@@ -112,11 +112,13 @@ class FlatPartitioner(Partitioner):
         self.offload = m.offload        # the offloaded states (offload.py), when the tier offloads
         self.states = m.offload if m.offload is not None else OnDevice()
         self._master_list, self._master_group = m.tensors, m.groups
-        self._published = m.published   # units whose model-dtype shard the device step writes
+        trained = self._sources[True]
+        for u in self.units:
+            trained.bind_master(u)
+        # units whose model-dtype shard the device step writes (not those gathered from the master)
+        self._published = [u for u in m.published if not u.source.from_master]
         # units all-gathered after the step (stages 1-2: the shards it wrote; one shard: none)
         self._gathered_after_step = self.units if self.layout_world > 1 else []
-        for u in self.units:
-            u.source.bind_master(u)
         self.grads = choose_grad_sink(self)     # (grad_sinks.py; chosen again with the optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for u in self.units for p in u.trainable]
@@ -161,7 +163,7 @@ class FlatPartitioner(Partitioner):
         full = torch.empty(layout.padded, dtype=self.pdtype, device=self.device)
         layout.copy_in(full, params)
         unit = Unit(index, params, layout, full, self.layout_rank, sharded_params=False,
-                    source=self._sources[params[0].requires_grad])
+                    source=self._sources[params[0].requires_grad].seed)
         unit.bind_params()
         if not self.shard_grads:      # persistent flat gradients; .grad are views
             unit.grad_flat = torch.zeros_like(full)

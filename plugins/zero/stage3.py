@@ -218,7 +218,7 @@ class Stage3(Stage2):
             host = self.offload_param.empty(shard.numel(), self.pdtype)
             host.copy_(shard)
             shard = host
-        unit = Unit(index, params, layout, full, rank, sharded_params=not whole, shard=shard, source=source)
+        unit = Unit(index, params, layout, full, rank, sharded_params=not whole, shard=shard, source=source.seed)
         unit.persistent = whole or layout.total <= self.persist_threshold
         unit.bind_params()
         if not unit.persistent:

@@ -34,7 +34,7 @@ def config(stage, prec="fp32", offload=False, gas=1, world=1, zero=None, cpu=Non
     if foreach:     # torch's foreach AdamW: the engine multiplies the gradients in place
         cfg["optimizer"]["implementation"] = "foreach"
     if stage == 3:
-        cfg["zero"]["stage3_param_persistence_threshold"] = 30
+        cfg["zero"].setdefault("stage3_param_persistence_threshold", 30)
     if offload:
         cfg["offload"] = {"optimizer": {"plugin": "cpu", **(cpu or {})}}
         if params:
@@ -153,6 +153,8 @@ CASES2 = _unique([
     _case(1, "bf16"), _case(2, "bf16"), _case(2, "fp32", gas=2), _case(3, "bf16"), _case(3, "fp32", gas=2),
     _case(3, "bf16", zero={"stage3_low_precision_shards": True}),
     _case(3, "bf16", zero={"shard_group_size": 1}),
+    # units kept whole (persistent), gathered from zeroplug.init's shards before their masters exist
+    _case(3, "bf16", zero={"stage3_param_persistence_threshold": 100}),
     _case(2, "bf16", True), _case(3, "bf16", True, params=True),
 ])
 
