@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .faults import FaultOptions
 from .convert.keys import selector_key_error
 from .options import AUTO, build_options, check_keys, opt, suggest
 
@@ -79,7 +80,7 @@ SLOT_TABLES = {
     "monitor": ("monitor", "stdout"),
     "activation_checkpointing": ("activations", "none"),
 }
-CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions}
+CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions, "faults": FaultOptions}
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Config:
     slots: dict[str, SlotChoice] = field(default_factory=dict)
     raw: dict = field(default_factory=dict)
     world_size: int = 1
+    faults: FaultOptions = FaultOptions()
 
     def slot(self, path: str) -> SlotChoice:
         return self.slots[path]
@@ -265,6 +267,7 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
 
     batch = _resolve_batch(build_options(BatchOptions, raw.get("batch", {}), "batch"), world_size)
     ckpt = build_options(CheckpointOptions, raw.get("checkpoint", {}), "checkpoint")
+    faults = build_options(FaultOptions, raw.get("faults", {}), "faults")
     slots, used_shared = {}, set()
     for path, (slot, default) in SLOT_TABLES.items():
         table = dict(raw.get("offload", {}).get(path.split(".")[1], {}) if path.startswith("offload.")
@@ -286,7 +289,7 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
         logging.getLogger("zeroplug").warning(
             "[zeroplug] [%s] is set but no selected plugin uses it (it configures: %s); it changes nothing",
             t, ", ".join(sorted(f"{s}:{r.name}" for s, r in owners[t])))
-    cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size)
+    cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size, faults=faults)
     for choice in slots.values():   # cross-slot rules, e.g. offload.param needs stage 3
         check = getattr(choice.impl, "check_config", None)
         if check is not None:

@@ -14,6 +14,7 @@ from typing import Any, ContextManager, Iterable
 import torch
 
 from .comm import Comm
+from .faults import NO_FAULTS
 from .hookspecs import hookimpl
 # the offload tier's slot: the stage <-> tier contract (documented there)
 from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, SubGroupOptimizer,  # noqa: F401
@@ -48,6 +49,9 @@ class RunContext:
     # set by the engine, or by a tier whose step finishes after engine.step() returns);
     # None while it is. Cleared by loading a checkpoint.
     failed: str | None = None
+    # the engine's part in fault handling (zeroplug.faults.Faults, set when the engine is ready):
+    # a stage calls faults.agree(...) before a collective whose partners depend on its rank's path
+    faults: Any = NO_FAULTS
 
     @property
     def rank(self) -> int:

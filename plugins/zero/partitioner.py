@@ -26,6 +26,7 @@ from zeroplug.slots import Partitioner, takes_grad_scale
 from zeroplug.tiers import all_exported, step_all
 
 from .masters import make_masters
+from .names import unit_name
 from .partitioned_init import init_group
 from .options import ZeroOptions, bucket_elements, hidden_size
 from .unit import Unit
@@ -246,6 +247,8 @@ class FlatPartitioner(Partitioner):
         if self._direct_grads:      # already in the master gradient
             self._after_reduce(u)
             return
+        if world > 1:   # faults: the ranks compare first (zeroplug.faults)
+            self.run.faults.agree("reduce", u.index, self.unit_name)
         if self.shard_grads:
             buf, u.bucket = u.bucket, None
         else:
@@ -279,6 +282,10 @@ class FlatPartitioner(Partitioner):
             elif len(self._pending) > 2:
                 self._drain(len(self._pending) - 2)
         self._after_reduce(u)
+
+    def unit_name(self, index: int) -> str:
+        """What unit ``index`` holds, for messages (names.py)."""
+        return unit_name(self, index)
 
     def _after_reduce(self, u: Unit) -> None:
         """Hook for stage 3: release the unit's gathered parameters."""

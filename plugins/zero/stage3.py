@@ -24,7 +24,7 @@ from zeroplug.tiers import Layout, UnitShard
 from .flat_layout import FlatLayout
 from .untraced import eager
 from .partitioned_init import PartitionedInit, flush_pending, init_group, materialize
-from .leaves import find_leaves, owners, reachable_params
+from .leaves import find_leaves, gatherers, owners, reachable_params
 from .options import hidden_size
 from .groups import shard_mesh
 from .hpz import SecondaryShard, check_hpz
@@ -79,6 +79,7 @@ class Stage3(Stage2):
             self.lp_from_master = True
         flush_pending()
         self.leaves = set(find_leaves(module, o))
+        self.leaf_gatherers = gatherers(module, self.leaves)    # a leaf, or the module that holds it
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
         super().setup(module, precision, offload_optimizer, offload_param, groups)
@@ -242,6 +243,8 @@ class Stage3(Stage2):
             self.offload.wait_unit(u)       # an overlapped step has published this unit
         if self._tiered(u):
             self.offload_param.fetch(u.index)
+        if not self.cast_only:      # faults: the ranks compare first (zeroplug.faults)
+            self.run.faults.agree("all_gather", u.index, self.unit_name)
         u.start_gather(self.shard_comm, self.upload)
 
     def _tiered(self, u: Unit) -> bool:
@@ -266,6 +269,8 @@ class Stage3(Stage2):
         self._stale.discard(u.index)
         if self.offload is not None:
             self.offload.wait_unit(u)
+        if not self.cast_only:      # faults: the ranks compare first (zeroplug.faults)
+            self.run.faults.agree("refill", u.index, self.unit_name)
         u.fill_full(self.shard_comm, self.upload).wait()
 
     def _prefetch(self, order: list[int], start: int) -> None:
@@ -320,7 +325,7 @@ class Stage3(Stage2):
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
         if backward_follows:
-            if module in self.leaves:
+            if module in self.leaf_gatherers:
                 self._expect_grads(module, units, outs, args)
             for t in outs:
                 t.register_hook(lambda grad, m=module: self._pre_backward(m))

@@ -59,7 +59,7 @@ def test_zero_uses_no_private_attribute_of_the_optimizer():
 
 #: lines of the engine's import closure: docs/architecture.md, "How big the engine is", says
 #: what is in it and why this is the budget
-ENGINE_CLOSURE_LINES = 8700
+ENGINE_CLOSURE_LINES = 8900
 
 
 def _module_file(name: str):

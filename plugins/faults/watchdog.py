@@ -1,0 +1,161 @@
+"""The watchdog: a rank that makes no progress for ``faults.timeout`` seconds ends the run.
+
+A daemon thread per process. While the training thread is inside an engine call (or
+waits for the other ranks) and its record shows no progress for the limit, it reads the
+other ranks' records (peers.py); when none of them progressed either, it writes one line
+to stderr (this rank's step, micro-step, phase and last collective; every other rank's; the
+last completed step; the flight recorder's dump), runs the clean-ups registered with
+:func:`zeroplug.faults.at_abort` (bounded in time) and ends the process with
+``os._exit(EXIT_STALLED)``. torchrun's agent sees the rank fail and ends the others.
+
+Note: a gloo or NCCL call that blocks cannot be interrupted from Python, and a Python
+signal handler would run only once it returns; ``os._exit`` from this thread is what ends
+such a process. A rank that is inside a checkpoint's I/O counts as progressing (a large save
+makes no marks for a while); a hang there is left to torch's process-group timeout.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+
+from zeroplug.faults import abort_cleanups
+
+from .peers import Peers, peer_lines
+from .record import Record
+
+#: the exit status of a rank the watchdog ends
+EXIT_STALLED = 3
+
+
+def run_aborts(budget: float = 5.0) -> None:
+    """The clean-ups of :func:`zeroplug.faults.at_abort`, on another thread, for ``budget`` seconds at most."""
+    def run():
+        for fn in abort_cleanups():
+            try:
+                fn()
+            except Exception:
+                pass
+    t = threading.Thread(target=run, name="zeroplug-abort-cleanup", daemon=True)
+    t.start()
+    t.join(budget)
+
+
+def dump_flight_recorder(rank: int) -> str:
+    """torch's flight recorder (the last collectives of every group, with their states) into
+    the file torch would dump it to; returns the path, or "" when it recorded nothing."""
+    try:
+        import torch._C._distributed_c10d as c10d
+        data = c10d._dump_fr_trace(True, True, False)
+    except Exception:
+        return ""
+    try:
+        if not pickle.loads(data).get("entries"):
+            return ""
+    except Exception:
+        pass
+    base = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+            or "/tmp/nccl_trace_rank_")
+    path = f"{base}{rank}"
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError:
+        return ""
+    return path
+
+
+class Watchdog(threading.Thread):
+    INTERVAL = 0.5      # seconds between looks (and between publications while the record changes)
+    HEARTBEAT = 3.0     # seconds between publications of a record that did not change
+
+    def __init__(self, record: Record, rank: int, world: int, limit: float):
+        super().__init__(name="zeroplug-watchdog", daemon=True)
+        self.record, self.rank, self.world, self.limit = record, rank, world, limit
+        self.peers = Peers(rank, world)
+        self._stop = threading.Event()
+        self._published = (-1, 0.0)
+        self._cpu = (None, 0.0, 0.0)        # (thread, its CPU time, when read)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.INTERVAL):
+            try:
+                self._look()
+            except Exception:       # a watchdog that dies must not take the run with it
+                pass
+
+    def publish(self, force: bool = False) -> None:
+        r = self.record
+        now = time.monotonic()
+        ticks, at = self._published
+        if force or r.ticks != ticks or now - at >= self.HEARTBEAT or r.failed:
+            self.peers.publish(r.snapshot(self.rank))
+            self._published = (r.ticks, now)
+
+    def _computing(self) -> bool:
+        """Whether the training thread used most of a core since the last look (a CPU run's
+        forward makes no marks for as long as it computes; a thread blocked in a collective
+        uses none)."""
+        r = self.record
+        try:
+            now_cpu = time.clock_gettime(time.pthread_getcpuclockid(r.thread))
+        except (OSError, AttributeError, OverflowError):
+            return False
+        now = time.monotonic()
+        thread, before, at = self._cpu
+        self._cpu = (r.thread, now_cpu, now)
+        return thread == r.thread and now_cpu - before > 0.5 * (now - at)
+
+    def _look(self) -> None:
+        self.publish()
+        r = self.record
+        if r.cpu and r.inside and self._computing():
+            r.tick()
+        if self.limit <= 0 or r.inside <= 0 or r.busy or r.failed:
+            return
+        stalled = time.monotonic() - r.last
+        if stalled < self.limit:
+            return
+        peers = self.peers.read()
+        now = time.time()
+        for p in peers.values():
+            fresh = now - p.get("wall", 0) < 2 * self.HEARTBEAT
+            if fresh and (p.get("busy") or p.get("idle", 1e9) < self.limit):
+                return      # another rank is progressing: this one waits for it
+        self.stop_run(f"no progress for {stalled:.0f} s (faults.timeout = {self.limit:g} s)", peers)
+
+    def stop_run(self, why: str, peers: dict | None = None) -> None:
+        """Write the line, clean up, end the process (any thread)."""
+        r = self.record
+        if peers is None:
+            peers = self.peers.read()
+        parts = [f"error: rank {self.rank}: {why}, in {r.where()}"]
+        parts += peer_lines(peers, self.world, self.rank, time.time())
+        parts.append(f"last completed step {min([r.completed] + [p.get('completed', r.completed) for p in peers.values()])}")
+        dump = dump_flight_recorder(self.rank)
+        if dump:
+            parts.append(f"torch's flight recorder (the last collectives) dumped to {dump}")
+        line = "; ".join(parts) + (". The run stops: fix the stalled rank, or raise faults.timeout if its "
+                                   "work is legitimate, and resume from the last checkpoint")
+        r.failed = why
+        self.publish(force=True)
+        end_process(line, EXIT_STALLED)
+
+
+def end_process(line: str, status: int) -> None:
+    """Write ``line`` to stderr, run the abort clean-ups and end this process now."""
+    try:
+        os.write(2, (line + "\n").encode(errors="replace"))
+    except OSError:
+        pass
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    run_aborts()
+    os._exit(status)
