@@ -53,6 +53,9 @@ class NoFaults:
     def leave(self) -> None:
         """... and ends."""
 
+    def raised(self, exc: BaseException) -> None:
+        """The engine call in progress raises ``exc`` (called before :meth:`leave`)."""
+
     def io(self, on: bool) -> None:
         """Checkpoint I/O begins (True) or ends on this rank: progress that makes no marks."""
 
@@ -120,6 +123,9 @@ def watched(activity: str):
                     return fn(engine, *args, **kwargs)
                 finally:
                     faults.io(False)
+            except BaseException as exc:
+                faults.raised(exc)
+                raise
             finally:
                 faults.leave()
         return call

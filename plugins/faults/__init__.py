@@ -48,6 +48,7 @@ class ProcessState:
         self.agreement: Agreement | None = None
         self.rank, self.world = 0, 1
         self.engines: list = []         # weakrefs, in the order the engines were made
+        self.open_engines = 0           # engines made and not closed (alive or not)
         self.exception_seen = False
 
 
@@ -60,6 +61,13 @@ def zeroplug_engine_created(engine):
     if engine.run.world_size > 1:
         engine.run.faults = Faults(engine)
         engine.run.faults.agree_config(engine.config)
+
+
+@hookimpl
+def zeroplug_phase(engine, phase):
+    faults = engine.run.faults
+    if isinstance(faults, Faults):
+        faults.record.phase(phase)
 
 
 class Faults(NoFaults):
@@ -77,6 +85,8 @@ class Faults(NoFaults):
         st.rank, st.world = self.rank, self.world
         st.record.track(engine, cpu=run.device.type == "cpu")
         st.engines.append(weakref.ref(engine))
+        st.open_engines += 1
+        self._state = st
         # Note: torch's flight recorder reads this at the first collective it records
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         if self.options.check_paths and st.agreement is None:
@@ -85,7 +95,7 @@ class Faults(NoFaults):
         self.agreement = st.agreement if self.options.check_paths else None
         if self.options.timeout > 0:
             if st.watchdog is None:
-                st.watchdog = Watchdog(st.record, self.rank, self.world, self.options.timeout)
+                st.watchdog = Watchdog(st, self.options.timeout)
                 st.watchdog.start()
             st.watchdog.limit = self.options.timeout
         from .context import install
@@ -98,11 +108,15 @@ class Faults(NoFaults):
         if engine is not None and self.record.engine_ref() is not engine:
             self.record.track(engine)
         self.record.enter(activity)
-        if activity == "close":
+        if activity == "close" and not self.closed:
             self.closed = True
+            self._state.open_engines -= 1
 
     def leave(self) -> None:
         self.record.leave()
+
+    def raised(self, exc: BaseException) -> None:
+        self.record.raised(exc)
 
     def io(self, on: bool) -> None:
         self.record.busy += 1 if on else -1
@@ -116,7 +130,8 @@ class Faults(NoFaults):
         step = engine.global_step if engine is not None else 0
         micro = engine.micro_step if engine is not None else 0
         rec = self.record
-        rec.issued(kind, index, describe)
+        if kind in UNIT_KINDS:
+            rec.issued(kind, index, describe)
         # Note: a unit's collective pairs with the same unit's on the other ranks wherever they
         # are within the step: a reduction that one rank's backward reaches is in the optimizer
         # step on a rank whose backward did not (after its micro-step ended)
@@ -140,14 +155,23 @@ class Faults(NoFaults):
         if self.agreement is None:
             return
         flat = config_items(config)
-        if self.agreement.compare([KINDS["config"], self.ordinal, 0, 0, -1, text_hash(repr(sorted(flat.items())))]):
-            return
-        every = self.agreement.descriptions(flat)
+        self.record.enter("initialize")
+        try:
+            same = self.agreement.compare([KINDS["config"], self.ordinal, 0, 0, -1,
+                                           text_hash(repr(sorted(flat.items())))])
+            if same:
+                return
+            every = self.agreement.descriptions(flat)
+        finally:
+            self.record.leave()
         keys = sorted({k for d in every for k in d if len({repr(e.get(k)) for e in every}) > 1})
         diff = "; ".join(f"{k} = " + ", ".join(f"{e.get(k)!r} on rank {r}" for r, e in enumerate(every))
                          for k in keys[:6])
-        raise RanksDisagree(f"the ranks run different settings: {diff}. Every rank must run the same "
+        exc = RanksDisagree(f"the ranks run different settings: {diff}. Every rank must run the same "
                             f"configuration (the same file, overrides and DeepSpeed JSON)")
+        self.record.raised_in = (exc, "zeroplug.initialize")
+        self.record.failed = "the ranks run different settings"
+        raise exc
 
 
 def config_items(config) -> dict:

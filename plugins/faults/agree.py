@@ -144,4 +144,4 @@ def describe_mine(kind: str, index: int, describe, detail: str, where: str, rank
 
 _KIND_WHAT = {"backward": "engine.backward",
               "save_checkpoint": "engine.save_checkpoint", "load_checkpoint": "engine.load_checkpoint",
-              "close": "engine.close", "exit": "the end of the script (exit)", "config": "initialize"}
+              "close": "engine.close", "exit": "nothing more (its script ended)", "config": "initialize"}

@@ -66,8 +66,9 @@ def peer_lines(peers: dict[int, dict], world: int, me: int, now_wall: float) -> 
         if p is None:
             lines.append(f"rank {r}: no record")
             continue
-        age = now_wall - p.get("wall", now_wall)
-        stale = f" (its last record, {age:.0f} s old: the rank died or is stuck outside Python)" if age > 5 else ""
+        age = max(0.0, now_wall - p.get("wall", now_wall))
+        stale = (f" (its last record, {age:.0f} s old: the rank died or is stuck outside Python)" if age > 5
+                 else f" (as of {age:.1f} s before)")
         if p.get("failed"):
             lines.append(f"rank {r} failed: {p['failed']}{stale}")
         else:

@@ -26,6 +26,7 @@ class Record:
         self.last = time.monotonic()  # when the last one happened
         self.since = self.last        # when the current activity began
         self.failed = ""              # why this rank stopped (an exception, a disagreement)
+        self.raised_in = None         # (exception, where) of the innermost engine call that raised
         self.thread = threading.main_thread().ident     # the training thread (the last to enter)
         self.cpu = False              # a CPU run: the training thread's CPU time counts as progress
 
@@ -63,6 +64,18 @@ class Record:
             self.since = time.monotonic()
         self.tick()
 
+    def raised(self, exc: BaseException) -> None:
+        """``exc`` leaves an engine call: where it happened, kept for the messages (the
+        innermost call's, which sees it first)."""
+        if self.raised_in is None or self.raised_in[0] is not exc:
+            self.raised_in = (exc, self.where())
+
+    def where_raised(self, exc: BaseException) -> str:
+        """Where ``exc`` left the engine, else where this rank is now."""
+        if self.raised_in is not None and self.raised_in[0] is exc:
+            return self.raised_in[1]
+        return self.where()
+
     def phase(self, name: str) -> None:
         """A phase of the engine's step begins (``zeroplug_phase``: wait_gradients, optimizer)."""
         if self.inside and name not in ("other", "forward", "backward"):
@@ -88,8 +101,12 @@ class Record:
             return "initialize"
         now = time.monotonic()
         if self.inside == 0:
-            text = (f"outside the engine for {now - self.since:.0f} s after step {self.completed} "
-                    f"(the training loop's own code: its data loader, logging, evaluation)")
+            text = (f"the training loop's own code after step {self.completed}, outside the engine for "
+                    f"{now - self.since:.0f} s (its data loader, logging, evaluation)")
+        elif self.activity == "initialize":
+            text = "zeroplug.initialize"
+        elif self.activity in BETWEEN_STEPS:
+            text = f"{self.activity} after step {self.completed}"
         else:
             text = f"step {self.step} (micro-step {self.micro} of {self.accumulation}), {self.activity}"
         last = self.collective_text()
@@ -101,6 +118,9 @@ class Record:
                 "ticks": self.ticks, "idle": round(time.monotonic() - self.last, 1), "wall": time.time(),
                 "completed": self.completed, "failed": self.failed}
 
+
+#: engine calls that belong to no step
+BETWEEN_STEPS = ("initialize", "save_checkpoint", "load_checkpoint", "close", "exit")
 
 #: what each kind of collective is called in messages
 KIND_TEXT = {"all_gather": "all_gather of", "reduce": "gradient reduction of", "refill": "all_gather (refill) of"}

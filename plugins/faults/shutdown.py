@@ -1,16 +1,19 @@
 """The end of a process that ran engines of several ranks, in order.
 
-One exit handler, registered when the first such engine is ready (after the one of
+One exit handler, registered when the first such engine is created (after the one of
 :mod:`zeroplug.launch` that destroys the default gloo group, so it runs before it: atexit
 runs handlers last-in first-out):
 
-1. a process that ends normally (no uncaught exception) meets the other ranks once more
-   (``exit``: the comparison of :mod:`.agree`). A rank whose loop ended early (its data ran
-   out, it stopped) meets there another rank's next comparison: both learn it, and this one
-   exits non-zero with one line instead of 0;
-2. every engine not closed is closed, in the order the engines were made (the same on every
-   rank): a save in flight is finished, the overlapped optimizer step waited for, the tiers'
-   threads and files (cpu_adam's step worker, the swapper's threads and swap directory) ended;
+1. a process that ends normally (no uncaught exception) with an engine it never closed meets
+   the other ranks once more (``exit``, a comparison of :mod:`.agree`). A rank whose loop
+   ended early (its data ran out, it stopped) meets there another rank's next comparison: both
+   learn it, and this one exits with status 1 and one line instead of 0. Its wait is not
+   bounded by the watchdog (another rank may still write a model of its own for minutes);
+   torch's process-group timeout bounds it;
+2. every engine still alive and not closed is closed, in the order the engines were made (the
+   same on every rank): a save in flight is finished, the overlapped optimizer step waited
+   for, the tiers' threads and files (cpu_adam's step worker, the swapper's threads and swap
+   directory) ended;
 3. the watchdog thread is stopped;
 4. then :mod:`zeroplug.launch`'s handler destroys the default gloo group.
 
@@ -23,6 +26,8 @@ from __future__ import annotations
 import atexit
 import sys
 
+from .agree import KINDS, describe_mine, explain
+from .context import first_line
 from .watchdog import end_process
 
 _registered = False
@@ -35,16 +40,33 @@ def register(state) -> None:
         atexit.register(at_exit, state)
 
 
+def meet_at_exit(state) -> None:
+    """The ``exit`` comparison (1 above); ends the process when the ranks disagree."""
+    a, rec = state.agreement, state.record
+    rec.activity = "exit"       # (not armed: see 1 above)
+    try:
+        if a.compare([KINDS["exit"], 0, rec.completed, 0, -1, 0]):
+            return
+        where = f"the end of the script after step {rec.completed}"
+        mine = describe_mine("exit", -1, None, "", where, state.rank, rec.completed, 0)
+        message = explain(a.descriptions(mine), None)
+    except Exception as exc:        # another rank gone
+        message = f"{first_line(exc)}: another rank ended or failed first"
+    rec.failed = "the ranks are on different paths"
+    end_process(f"error: rank {state.rank}: at exit: {message}", 1)
+
+
 def at_exit(state) -> None:
-    engines = [e for e in (ref() for ref in state.engines) if e is not None and not e.run.faults.closed]
     if not state.exception_seen and not state.record.failed:
-        for engine in engines:
+        if state.agreement is not None and state.open_engines > 0:
+            meet_at_exit(state)
+        for engine in [e for e in (ref() for ref in state.engines) if e is not None]:
+            if engine.run.faults.closed:
+                continue
             try:
-                engine.run.faults.agree("exit")
                 engine.close()
             except Exception as exc:     # another rank on another path, gone, or a failed save
-                from .context import first_line
-                end_process(f"error: rank {state.rank}: at exit: {first_line(exc)}", 1)
+                end_process(f"error: rank {state.rank}: at exit, closing the engine: {first_line(exc)}", 1)
     if state.watchdog is not None:
         state.watchdog.stop()
         state.watchdog.join(timeout=2.0)

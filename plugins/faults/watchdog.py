@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
+import signal
 import sys
 import threading
 import time
@@ -68,26 +70,49 @@ def dump_flight_recorder(rank: int) -> str:
 
 
 class Watchdog(threading.Thread):
-    INTERVAL = 0.5      # seconds between looks (and between publications while the record changes)
+    INTERVAL = 0.25     # seconds between looks (and between publications while the record changes)
     HEARTBEAT = 3.0     # seconds between publications of a record that did not change
+    SIGTERM_GRACE = 1.0     # seconds the main thread has to run its SIGTERM handler itself
 
-    def __init__(self, record: Record, rank: int, world: int, limit: float):
+    def __init__(self, state, limit: float):
         super().__init__(name="zeroplug-watchdog", daemon=True)
-        self.record, self.rank, self.world, self.limit = record, rank, world, limit
-        self.peers = Peers(rank, world)
-        self._stop = threading.Event()
+        self._state = state         # the process's fault state (plugins/faults: ProcessState)
+        self.record: Record = state.record
+        self.rank, self.world, self.limit = state.rank, state.world, limit
+        self.peers = Peers(self.rank, self.world)
+        self._halt = threading.Event()
         self._published = (-1, 0.0)
         self._cpu = (None, 0.0, 0.0)        # (thread, its CPU time, when read)
+        self.wake_fd = -1                   # signals arrive here (context.install_sigterm)
+        self._sigterm_at = None
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
-        while not self._stop.wait(self.INTERVAL):
+        while not self._halt.is_set():
+            self._wait()
+            if self._halt.is_set():
+                return
             try:
                 self._look()
             except Exception:       # a watchdog that dies must not take the run with it
                 pass
+
+    def _wait(self) -> None:
+        """One interval, or less when a signal arrives (the wake-up descriptor)."""
+        if self.wake_fd < 0:
+            self._halt.wait(self.INTERVAL)
+            return
+        try:
+            ready, _, _ = select.select([self.wake_fd], [], [], self.INTERVAL)
+            if ready and signal.SIGTERM in os.read(self.wake_fd, 64) and self._sigterm_at is None:
+                self._sigterm_at = time.monotonic()
+        except (OSError, ValueError):
+            self.wake_fd = -1
+
+    def peer_lines(self) -> list[str]:
+        return peer_lines(self.peers.read(), self.world, self.rank, time.time())
 
     def publish(self, force: bool = False) -> None:
         r = self.record
@@ -112,6 +137,11 @@ class Watchdog(threading.Thread):
         return thread == r.thread and now_cpu - before > 0.5 * (now - at)
 
     def _look(self) -> None:
+        if self._sigterm_at is not None and time.monotonic() - self._sigterm_at > self.SIGTERM_GRACE:
+            # the main thread did not get to its handler: it is blocked outside Python
+            from .context import sigterm_line
+            self.record.failed = "ended by SIGTERM"
+            end_process(sigterm_line(self._state), 128 + signal.SIGTERM)
         self.publish()
         r = self.record
         if r.cpu and r.inside and self._computing():
@@ -149,10 +179,8 @@ class Watchdog(threading.Thread):
 
 def end_process(line: str, status: int) -> None:
     """Write ``line`` to stderr, run the abort clean-ups and end this process now."""
-    try:
-        os.write(2, (line + "\n").encode(errors="replace"))
-    except OSError:
-        pass
+    from .context import say_once
+    say_once(line)
     try:
         sys.stdout.flush()
     except Exception:
