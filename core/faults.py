@@ -59,6 +59,10 @@ class NoFaults:
     def io(self, on: bool) -> None:
         """Checkpoint I/O begins (True) or ends on this rank: progress that makes no marks."""
 
+    def issued(self, kind: str, index: int, describe=None) -> None:
+        """A collective that needs no comparison (it follows from what the ranks compared before
+        it) is about to start: ``kind`` as for :meth:`agree`; named in messages."""
+
     def agree(self, kind: str, index: int = -1, describe=None, detail: str = "") -> None:
         """Every rank is about to do ``kind`` ("all_gather", "refill" or "reduce" of unit ``index``,
         whose module ``describe(index)`` names for messages; "backward", "save_checkpoint",

@@ -122,6 +122,9 @@ class Faults(NoFaults):
         self.record.busy += 1 if on else -1
 
     # -- comparisons ---------------------------------------------------------------------
+    def issued(self, kind: str, index: int, describe=None) -> None:
+        self.record.issued(kind, index, describe)
+
     def agree(self, kind: str, index: int = -1, describe=None, detail: str = "") -> None:
         a = self.agreement
         if a is None:

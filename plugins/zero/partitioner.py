@@ -91,6 +91,7 @@ class FlatPartitioner(Partitioner):
         # pair every collective with the same unit's on the other ranks.
         self._reduce_order = self.units[::-1]
         self._next_reduce = 0
+        self._flush_queued = False      # _end_micro_step is queued for this backward
         # Note: one rank, sharded gradients, masters on this device: nothing to reduce, so
         # each gradient is added straight into the fp32 master gradient as it is produced;
         # no bucket (4 bytes per element of the unit) ever exists.
@@ -199,6 +200,9 @@ class FlatPartitioner(Partitioner):
                                  "changing which parameters train")
 
     def _on_grad(self, p) -> None:
+        if not self._flush_queued and self.shard_grads and not self.run.at_boundary and self.comm.world_size > 1:
+            self._flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_step)
         u = self.unit_of[p]
         i = u.position[p]
         if self.lp_grads is not None:
@@ -241,14 +245,32 @@ class FlatPartitioner(Partitioner):
             if not v.reduced:
                 self._reduce(v)
 
+    def _end_micro_step(self) -> None:
+        """The end of a backward that does not close the accumulation window (several ranks,
+        sharded gradients): every unit not reduced yet is reduced now, in the fixed order (zeros
+        where no gradient came).
+
+        Note: a unit's reduction waits for every unit before it in the order; a unit this
+        rank's backward did not reach (an expert no token was routed to, a skipped branch)
+        stops the chain on this rank while another rank's goes on, and the next micro-step's
+        reductions would pair different units (zeroplug.faults' comparisons stop the run there).
+        Every unit reduced once per micro-step keeps the ranks' sequences equal."""
+        self._flush_queued = False
+        for u in self._reduce_order:
+            if u.reduced:
+                continue
+            if u.bucket is None:
+                u.bucket = torch.zeros(u.layout.padded, dtype=self.rdtype, device=self.device)
+            self._reduce(u)
+
     def _reduce(self, u: Unit) -> None:
         world = self.comm.world_size
         u.reduced = True
         if self._direct_grads:      # already in the master gradient
             self._after_reduce(u)
             return
-        if world > 1:   # faults: the ranks compare first (zeroplug.faults)
-            self.run.faults.agree("reduce", u.index, self.unit_name)
+        if world > 1:   # faults: named in messages (zeroplug.faults; no comparison: see _end_micro_step)
+            self.run.faults.issued("reduce", u.index, self.unit_name)
         if self.shard_grads:
             buf, u.bucket = u.bucket, None
         else:

@@ -243,7 +243,11 @@ class Stage3(Stage2):
             self.offload.wait_unit(u)       # an overlapped step has published this unit
         if self._tiered(u):
             self.offload_param.fetch(u.index)
-        if not self.cast_only:      # faults: the ranks compare first (zeroplug.faults)
+        if self.cast_only:
+            pass
+        elif _in_backward():        # faults: named in messages (zeroplug.faults)
+            self.run.faults.issued("all_gather", u.index, self.unit_name)
+        else:                       # faults: the ranks compare first (zeroplug.faults)
             self.run.faults.agree("all_gather", u.index, self.unit_name)
         u.start_gather(self.shard_comm, self.upload)
 

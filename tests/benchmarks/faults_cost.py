@@ -1,9 +1,10 @@
 """What the ranks' comparisons (``[faults] check_paths``, plugins/faults/agree.py) cost in a step.
 
 For each stage, the built-in GPT trains on 2 ranks under real torchrun with the comparisons
-on and off; the table gives the median step time of each, the difference, the comparisons
-per step (each stage-3 gather and reduction, each backward) and what one comparison costs
-alone (a loop of them on the comparisons' gloo group). Stage 3 runs with every module
+on and off, alternating in blocks of steps within one job; the table gives the median step
+time of each, the difference, the comparisons per step (each stage-3 gather and reduction,
+each backward) and what one comparison costs alone (a loop of them on the comparisons' gloo
+group). Stage 3 runs with every module
 sharded (stage3_param_persistence_threshold = 0): the most gathers, so the most comparisons.
 Run from the repo root:
 
@@ -49,16 +50,15 @@ def worker(args) -> None:
         zero["stage3_param_persistence_threshold"] = 0
     config = {"zero": zero, "batch": {"micro_batch_size": args.micro, "steps_per_print": 10_000},
               "precision": {"plugin": "bf16" if device.type == "cuda" else "fp32"},
-              "monitor": {"plugin": "none"}, "faults": {"check_paths": args.checks}}
+              "monitor": {"plugin": "none"}}
     engine = zeroplug.initialize(GPT(cfg), config, device=device)
+    faults = engine.run.faults
+    agreement = faults.agreement
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=g).to(device)
     y = torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=g).to(device)
-    times = []
-    counted = STATE.agreement.count if STATE.agreement is not None else 0
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            counted = STATE.agreement.count if STATE.agreement is not None else 0
+
+    def step() -> float:
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -66,19 +66,31 @@ def worker(args) -> None:
         loss.item()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    checks = ((STATE.agreement.count if STATE.agreement is not None else 0) - counted) / args.steps
-    one = float("nan")
-    if STATE.agreement is not None:           # one comparison, alone
-        n = 200
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            STATE.agreement.compare([4, 1, 0, 0, 7, 0])
-        one = (time.perf_counter() - t0) / n
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        step()
+    # Note: the two modes alternate in blocks within one job, so that a machine whose load
+    # drifts (other jobs) weighs on both alike
+    times = {False: [], True: []}
+    counted = 0
+    for _ in range(args.rounds):
+        for on in (False, True):
+            faults.agreement = agreement if on else None
+            before = agreement.count
+            times[on] += [step() for _ in range(args.steps)]
+            counted += agreement.count - before
+    faults.agreement = agreement
+    n = 200
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):          # one comparison, alone
+        agreement.compare([4, 1, 0, 0, 7, 0])
+    one = (time.perf_counter() - t0) / n
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"step": statistics.median(times[args.warmup:]), "checks": checks,
-                                              "one": one}))
+        Path(args.out).write_text(json.dumps({"off": statistics.median(times[False]),
+                                              "on": statistics.median(times[True]),
+                                              "checks": counted / (args.rounds * args.steps), "one": one}))
     engine.close()
 
 
@@ -88,16 +100,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, stage: int, checks: bool) -> dict:
+def launch(args, stage: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
-               str(_port()), __file__, "--worker", "--stage", str(stage), "--checks", str(checks).lower(),
-               "--out", str(out), "--device", args.device, "--model", args.model, "--seq", str(args.seq),
-               "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               str(_port()), __file__, "--worker", "--stage", str(stage), "--out", str(out), "--device", args.device, "--model", args.model, "--seq", str(args.seq),
+               "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--rounds", str(args.rounds)]
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if r.returncode != 0:
-            raise SystemExit(f"stage {stage}, checks {checks}: the job failed\n{r.stdout[-4000:]}")
+            raise SystemExit(f"stage {stage}: the job failed\n{r.stdout[-4000:]}")
         return json.loads(out.read_text())
 
 
@@ -107,26 +119,24 @@ def main() -> None:
     p.add_argument("--model", default="char-tiny")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=5, help="steps per block of each mode")
+    p.add_argument("--rounds", type=int, default=6, help="blocks of each mode, alternating")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--stages", default="2,3")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--checks", default="true")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.worker:
-        args.checks = args.checks == "true"
         worker(args)
         return
     rows = []
     for stage in map(int, args.stages.split(",")):
-        off = launch(args, stage, False)
-        on = launch(args, stage, True)
-        rows.append((stage, off["step"], on["step"], on["checks"], on["one"]))
-    print(f"{args.nproc} ranks, {args.device}, model {args.model}, seq {args.seq}, micro batch {args.micro}, "
-          f"median of {args.steps} steps")
+        r = launch(args, stage)
+        rows.append((stage, r["off"], r["on"], r["checks"], r["one"]))
+    print(f"{args.nproc} ranks, {args.device}, model {args.model}, seq {args.seq}, micro batch {args.micro}; median "
+          f"step of {args.rounds} blocks of {args.steps} steps per mode, the modes alternating in one job")
     print("| stage | step, checks off (ms) | step, checks on (ms) | difference | comparisons per step | "
           "one comparison alone (us) |")
     print("| --- | --- | --- | --- | --- | --- |")

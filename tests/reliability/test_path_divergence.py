@@ -76,23 +76,28 @@ class Branchy(torch.nn.Module):
         return F.cross_entropy(self.head(h).view(-1, VOCAB), y.view(-1))
 
 
-def data(rank: int):
-    """Rank r's tokens lie in [r * VOCAB/2, (r+1) * VOCAB/2): its experts are 2r and 2r+1."""
+def data(rank: int, accumulation: int = 1):
+    """Per step, its micro-batches: rank r's tokens lie in [r * VOCAB/2, (r+1) * VOCAB/2), so
+    its experts are 2r and 2r+1 (rank -1: every rank's, by rank)."""
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(STEPS):
-        per = []
-        for r in range(WORLD):
-            x = torch.randint(0, VOCAB // WORLD, (2, 6), generator=g) + r * VOCAB // WORLD
-            per.append((x, torch.randint(0, VOCAB, (2, 6), generator=g)))
-        out.append(per[rank] if rank >= 0 else per)
+        micro = []
+        for _ in range(accumulation):
+            per = []
+            for r in range(WORLD):
+                x = torch.randint(0, VOCAB // WORLD, (2, 6), generator=g) + r * VOCAB // WORLD
+                per.append((x, torch.randint(0, VOCAB, (2, 6), generator=g)))
+            micro.append(per[rank] if rank >= 0 else per)
+        out.append(micro)
     return out
 
 
-def config(stage=3, offload=False, **zero):
+def config(stage=3, offload=False, accumulation=1, **zero):
     cfg = {"zero": {"plugin": f"stage{stage}", **zero}, "precision": {"plugin": "fp32"},
            "optimizer": {"plugin": "adamw", "lr": LR, "weight_decay": WD},
-           "batch": {"micro_batch_size": 2, "gradient_clipping": 0.0, "steps_per_print": 10_000},
+           "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": accumulation,
+                     "gradient_clipping": 0.0, "steps_per_print": 10_000},
            "monitor": {"plugin": "none"}}
     if stage == 3:
         cfg["zero"].setdefault("stage3_param_persistence_threshold", 0)
@@ -107,11 +112,13 @@ def train(rank, model, cfg, declare=None):
     engine = zeroplug.initialize(model, cfg)
     losses = []
     try:
-        for x, y in data(rank):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            t = loss.detach().clone()
+        for micro in data(rank, engine.gradient_accumulation_steps):
+            t = torch.zeros(())
+            for x, y in micro:
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                t += loss.detach() / len(micro)
             engine.run.comm.all_reduce(t)
             losses.append(t.item() / WORLD)
     except RanksDisagree as exc:
@@ -124,6 +131,9 @@ TRAINS = {
     "experts-stage3-offload": lambda: (ExpertsOnTheModel(), config(offload=True), None),
     "experts-stage2": lambda: (ExpertsOnTheModel(), config(2), None),
     "experts-stage2-offload": lambda: (ExpertsOnTheModel(), config(2, offload=True), None),
+    # 2 micro-steps: each rank's backward reaches its own experts only, in each micro-step
+    "experts-stage2-accumulation": lambda: (ExpertsOnTheModel(), config(2, accumulation=2), None),
+    "experts-stage3-accumulation": lambda: (ExpertsOnTheModel(), config(accumulation=2), None),
     "experts-declared": lambda: (ExpertsOnTheModel(), config(stage3_auto_leaf_modules=False),
                                  lambda m: [m.experts]),
     "skip-declared": lambda: (Branchy("skip"), config(), lambda m: [m.extra]),
@@ -150,21 +160,24 @@ def results():
     return run_ranks(run_all, WORLD, timeout=TIMEOUT)
 
 
-def reference(model):
+def reference(model, accumulation: int = 1):
     """torch AdamW on both ranks' batches at once (DDP semantics)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
-    for per in data(-1):
-        x = torch.cat([x for x, _ in per])
-        y = torch.cat([y for _, y in per])
-        if isinstance(model, Branchy):      # each rank's half through its own path
-            loss = sum(_branchy_loss(model, r, xr, yr) for r, (xr, yr) in enumerate(per)) / WORLD
-        else:
-            loss = model(x, y)
-        loss.backward()
+    for micro in data(-1, accumulation):
+        total = 0.0
+        for per in micro:
+            x = torch.cat([x for x, _ in per])
+            y = torch.cat([y for _, y in per])
+            if isinstance(model, Branchy):      # each rank's half through its own path
+                loss = sum(_branchy_loss(model, r, xr, yr) for r, (xr, yr) in enumerate(per)) / WORLD
+            else:
+                loss = model(x, y)
+            (loss / accumulation).backward()
+            total += loss.item() / accumulation
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, model.state_dict()
 
 
@@ -180,8 +193,8 @@ def _branchy_loss(model, rank, x, y):
 @pytest.mark.parametrize("case", list(TRAINS))
 def test_trains_as_torch_does(case, results):
     torch.manual_seed(0)
-    model, _, _ = TRAINS[case]()
-    ref_losses, ref_state = reference(model)
+    model, cfg, _ = TRAINS[case]()
+    ref_losses, ref_state = reference(model, cfg["batch"]["gradient_accumulation_steps"])
     for rank, res in enumerate(results):
         assert "error" not in res[case], f"rank {rank}: {res[case]['error']}"
         for a, b in zip(res[case]["losses"], ref_losses):
