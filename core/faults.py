@@ -32,9 +32,9 @@ class FaultOptions:
               "longer than it.", min=0.0)
     check_paths: bool = opt(
         True, "With several ranks: before each collective that depends on the path a rank takes (each "
-              "stage-3 gather, each gradient reduction, every backward, checkpoint saves and loads, close, "
-              "the end of the script) and once at initialize (the settings), the ranks compare what they "
-              "are about to do in one small all-reduce on a gloo group of their own; ranks on different "
+              "stage-3 gather of a forward, every backward, checkpoint saves and loads, close, the end of the "
+              "script) and once at initialize (the settings), the ranks compare what they are about to do in "
+              "one small all-reduce on a gloo group of their own; ranks on different "
               "paths (an expert that runs on some ranks only, a branch, a loop that ends early, different "
               "checkpoint directories or settings) all stop with one error naming the module or argument "
               "and the fix, instead of blocking each other. false leaves the comparisons out (a hang is "
@@ -64,7 +64,7 @@ class NoFaults:
         it) is about to start: ``kind`` as for :meth:`agree`; named in messages."""
 
     def agree(self, kind: str, index: int = -1, describe=None, detail: str = "") -> None:
-        """Every rank is about to do ``kind`` ("all_gather", "refill" or "reduce" of unit ``index``,
+        """Every rank is about to do ``kind`` ("all_gather" or "refill" of unit ``index``,
         whose module ``describe(index)`` names for messages; "backward", "save_checkpoint",
         "load_checkpoint", "close", "exit") with the same ``detail`` (an argument every rank must
         share): else every rank raises :class:`zeroplug.errors.RanksDisagree` here, before any
@@ -94,9 +94,9 @@ def _dir_tag(save_dir, tag=None, *args, **kwargs) -> str:
     return f"{where!r}, tag {tag!r}"
 
 
-# Note: not the optimizer step: its gradient reductions are compared one by one, and a
-# reduction may legitimately straddle it (a unit whose gradients one rank's backward did not
-# reach is reduced in the step on that rank, during the backward on another).
+# Note: not the optimizer step: a reduction may legitimately straddle it (a unit whose
+# gradients one rank's backward did not reach is reduced in the step on that rank, during the
+# backward on another), and what it runs follows from the backward the ranks compared.
 _AGREE = {
     "backward": lambda f, e, *a, **k: f.agree("backward"),
     "save_checkpoint": lambda f, e, *a, **k: f.agree("save_checkpoint", detail=_dir_tag(*a, **k)),

@@ -1,13 +1,21 @@
 """Ranks compare what they are about to do before they do it.
 
-Before each collective whose partners depend on the path a rank takes (a stage-3 gather or
-a gradient reduction, every backward, a checkpoint save or load, close, the end of the
-run) every rank contributes a few integers (what, which unit, which step and
-micro-step, a hash of an argument) to one all-reduce of MAX over ``[v, -v]``: the result is
+Before each collective whose partners depend on the path a rank takes (a stage-3 gather of
+a forward, every backward, a checkpoint save or load, close, the end of the run) every rank
+hashes what it is about to do (what, which engine, which step and micro-step, which unit, a
+hash of an argument) and contributes ``[h, -h]`` to one all-reduce of MAX: the result is
 ``[max, -min]``, so one collective tells every rank at once whether all agree. Where they do
 not, every rank learns it in the same call, before any of them issues the collective that
 would block; they then exchange their descriptions (one small all-gather, which every
 rank is in) and all raise :class:`RanksDisagree` with the same one-line message.
+
+Note: what a backward gathers and reduces follows from what its forward gathered, which
+the ranks compared: the backward visits the modules the forward ran, in reverse, and the
+reductions run in one fixed unit order, every unit once per micro-step
+(``Stage2._end_micro_step``); a comparison before each of them would cost a round trip
+per unit and find nothing the forward's did not (a divergence there would block until the
+watchdog's limit, which names every rank's last collective). The optimizer step is not
+compared either: a reduction may be in one rank's backward and in another's step.
 
 Note: the comparisons run on a gloo group of their own, so that they pair only with each
 other, never with a data collective that another rank issued meanwhile, and cost no device
