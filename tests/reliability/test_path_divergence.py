@@ -218,3 +218,37 @@ def test_ranks_on_different_paths_all_stop_with_one_error(case, names, declare, 
     assert re.search(r"rank 0 would run all_gather of unit \d+ \([\w.]+\) in step 1 \(micro-step 1 of 1\), "
                      r"forward; rank 1 would run all_gather of unit \d+", line), line
     assert re.search(names, line) and re.search(declare, line), line
+
+
+def save_apart(rank, world):
+    """Each rank saves into its own ``tempfile.mkdtemp()``; then the ranks disagree on the settings."""
+    import tempfile
+    from pathlib import Path
+    out = {}
+    engine = zeroplug.initialize(ExpertsOnTheModel(), config(2))
+    mine = tempfile.mkdtemp()
+    try:
+        engine.save_checkpoint(mine)
+    except RanksDisagree as exc:
+        out["save"] = str(exc)
+    out["written"] = sorted(p.name for p in Path(mine).iterdir())
+    try:
+        zeroplug.initialize(ExpertsOnTheModel(), config(2, accumulation=1 + rank))
+    except RanksDisagree as exc:
+        out["settings"] = str(exc)
+    return out
+
+
+def test_different_checkpoint_directories_and_settings_are_named():
+    """A checkpoint directory made by tempfile.mkdtemp() on each rank: every rank refuses the
+    save, naming both directories and the fix, and nothing is written; different
+    gradient_accumulation_steps: every rank refuses at initialize, naming the key and each
+    rank's value (the fault matrix runs both under torchrun too)."""
+    import re
+    res = run_ranks(save_apart, WORLD, timeout=TIMEOUT)
+    for r in res:
+        assert re.search(r"the ranks passed different arguments to engine.save_checkpoint \(rank 0: '/[^']+', tag "
+                         r"None; rank 1: '/[^']+', tag None\).*same directory.*tempfile.mkdtemp\(\)", r["save"]), r
+        assert r["save"] == res[0]["save"]
+        assert r["written"] == []
+        assert re.search(r"batch.gradient_accumulation_steps = 1 on rank 0, 2 on rank 1", r["settings"]), r
