@@ -50,6 +50,7 @@ class ProcessState:
         self.engines: list = []         # weakrefs, in the order the engines were made
         self.open_engines = 0           # engines made and not closed (alive or not)
         self.exception_seen = False
+        self.sigterm_handled = False    # the main thread ran its SIGTERM handler (context.py)
 
 
 STATE = ProcessState()

@@ -85,6 +85,7 @@ def install_sigterm(state) -> None:
         return
 
     def on_sigterm(signum, frame):
+        state.sigterm_handled = True        # the watchdog thread leaves it to this handler
         try:
             say_once(sigterm_line(state))
         except Exception:

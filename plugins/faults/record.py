@@ -29,6 +29,7 @@ class Record:
         self.raised_in = None         # (exception, where) of the innermost engine call that raised
         self.thread = threading.main_thread().ident     # the training thread (the last to enter)
         self.cpu = False              # a CPU run: the training thread's CPU time counts as progress
+        self._outer: list[str] = []   # the activities of the engine calls this one is inside
 
     # -- written by the training thread ----------------------------------------------
     def track(self, engine, cpu: bool | None = None) -> None:
@@ -50,18 +51,22 @@ class Record:
             self.micro = min(engine.micro_steps_in_window + 1, self.accumulation)
         self.inside += 1
         self.thread = threading.get_ident()
+        self._outer.append(self.activity)
         self.activity = activity
         self.since = time.monotonic()
         self.tick()
 
     def leave(self) -> None:
         self.inside = max(0, self.inside - 1)
+        outer = self._outer.pop() if self._outer else "outside"
         if self.inside == 0:
             engine = self.engine_ref() if self.engine_ref is not None else None
             if engine is not None:
                 self.completed = engine.global_step
             self.activity = "outside"
             self.since = time.monotonic()
+        else:
+            self.activity = outer
         self.tick()
 
     def raised(self, exc: BaseException) -> None:
@@ -110,7 +115,8 @@ class Record:
         else:
             text = f"step {self.step} (micro-step {self.micro} of {self.accumulation}), {self.activity}"
         last = self.collective_text()
-        return f"{text}; last collective: {last}" if collective and last and self.inside else text
+        in_step = self.inside and self.activity not in BETWEEN_STEPS
+        return f"{text}; last collective: {last}" if collective and last and in_step else text
 
     def snapshot(self, rank: int) -> dict:
         """What the other ranks read (peers.py)."""

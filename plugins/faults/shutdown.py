@@ -40,26 +40,28 @@ def register(state) -> None:
         atexit.register(at_exit, state)
 
 
-def meet_at_exit(state) -> None:
-    """The ``exit`` comparison (1 above); ends the process when the ranks disagree."""
+def meet_at_exit(state) -> bool:
+    """The ``exit`` comparison (1 above): ends the process when the ranks disagree; False when
+    another rank is gone (this process is ending after a failure already, with its status)."""
     a, rec = state.agreement, state.record
     rec.activity = "exit"       # (not armed: see 1 above)
     try:
         if a.compare([KINDS["exit"], 0, rec.completed, 0, -1, 0]):
-            return
+            return True
         where = f"the end of the script after step {rec.completed}"
         mine = describe_mine("exit", -1, None, "", where, state.rank, rec.completed, 0)
         message = explain(a.descriptions(mine), None)
-    except Exception as exc:        # another rank gone
-        message = f"{first_line(exc)}: another rank ended or failed first"
+    except Exception:
+        return False
     rec.failed = "the ranks are on different paths"
     end_process(f"error: rank {state.rank}: at exit: {message}", 1)
+    return False
 
 
 def at_exit(state) -> None:
     if not state.exception_seen and not state.record.failed:
-        if state.agreement is not None and state.open_engines > 0:
-            meet_at_exit(state)
+        if state.agreement is not None and state.open_engines > 0 and not meet_at_exit(state):
+            state.engines.clear()       # the others are gone: nothing may wait for them
         for engine in [e for e in (ref() for ref in state.engines) if e is not None]:
             if engine.run.faults.closed:
                 continue

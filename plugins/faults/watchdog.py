@@ -137,8 +137,10 @@ class Watchdog(threading.Thread):
         return thread == r.thread and now_cpu - before > 0.5 * (now - at)
 
     def _look(self) -> None:
-        if self._sigterm_at is not None and time.monotonic() - self._sigterm_at > self.SIGTERM_GRACE:
-            # the main thread did not get to its handler: it is blocked outside Python
+        if (self._sigterm_at is not None and not self._state.sigterm_handled
+                and time.monotonic() - self._sigterm_at > self.SIGTERM_GRACE):
+            # the main thread did not get to its handler: it is blocked outside Python (a
+            # handler that did run decides, also to go on: a script that saves when preempted)
             from .context import sigterm_line
             self.record.failed = "ended by SIGTERM"
             end_process(sigterm_line(self._state), 128 + signal.SIGTERM)
