@@ -24,6 +24,7 @@ between the ranks' hosts (measured in docs/reliability.md, "What the checks cost
 """
 from __future__ import annotations
 
+import logging
 import hashlib
 
 import torch
@@ -33,6 +34,8 @@ from zeroplug.comm import Comm
 from zeroplug.errors import RanksDisagree  # noqa: F401  (raised by the plugin's Faults.agree)
 
 from .record import describe_collective
+
+log = logging.getLogger("zeroplug")
 
 #: what a comparison is about (its code is the first integer compared)
 KINDS = {"config": 1, "all_gather": 2, "refill": 3, "reduce": 4, "backward": 5,
@@ -69,7 +72,8 @@ def unit_module(kind: str, index: int, describe) -> str | None:
         return None
     try:
         return describe(index)
-    except Exception:
+    except Exception as exc:        # a message must never fail for want of a name
+        log.debug("faults: no module name for unit %d: %r", index, exc)
         return None
 
 

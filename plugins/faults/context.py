@@ -17,11 +17,14 @@ SIGKILL 30 seconds later.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 import time
+
+log = logging.getLogger("zeroplug")
 
 
 #: texts of torch's errors when a collective's partner is gone or silent
@@ -88,8 +91,8 @@ def install_sigterm(state) -> None:
         state.sigterm_handled = True        # the watchdog thread leaves it to this handler
         try:
             say_once(sigterm_line(state))
-        except Exception:
-            pass
+        except Exception as exc:        # the handler must hand over, whatever the line
+            log.debug("faults: the SIGTERM line failed: %r", exc)
         if callable(previous):
             previous(signum, frame)
             return
@@ -133,8 +136,8 @@ def install(state) -> None:
                 state.record.failed = first_line(value)
             if state.watchdog is not None:
                 state.watchdog.publish(force=True)
-        except Exception:
-            pass
+        except Exception as exc:        # the traceback must be printed, whatever the line
+            log.debug("faults: the context line failed: %r", exc)
         previous(tp, value, tb)
         if line:
             say_once(line)

@@ -6,9 +6,12 @@ that is one write stale only moves a message by one phase.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
+
+log = logging.getLogger("zeroplug")
 
 
 class Record:
@@ -140,6 +143,7 @@ def describe_collective(kind: str, index: int, describe) -> str:
     if describe is not None:
         try:
             name = describe(index)
-        except Exception:       # a message must never fail for want of a name
+        except Exception as exc:        # a message must never fail for want of a name
+            log.debug("faults: no module name for unit %d: %r", index, exc)
             name = ""
     return f"{what} unit {index}" + (f" ({name})" if name else "")

@@ -23,12 +23,15 @@ and 2: the other ranks may be gone or blocked, and nothing may wait for them.
 """
 from __future__ import annotations
 
+import logging
 import atexit
 import sys
 
 from .agree import KINDS, describe_mine, explain
 from .context import first_line
 from .watchdog import end_process
+
+log = logging.getLogger("zeroplug")
 
 _registered = False
 
@@ -51,7 +54,8 @@ def meet_at_exit(state) -> bool:
         where = f"the end of the script after step {rec.completed}"
         mine = describe_mine("exit", -1, None, "", where, state.rank, rec.completed, 0)
         message = explain(a.descriptions(mine), None)
-    except Exception:
+    except Exception as exc:        # another rank is gone
+        log.debug("faults: the ranks' meeting at exit failed: %r", exc)
         return False
     rec.failed = "the ranks are on different paths"
     end_process(f"error: rank {state.rank}: at exit: {message}", 1)
@@ -74,5 +78,5 @@ def at_exit(state) -> None:
         state.watchdog.join(timeout=2.0)
     try:
         sys.stderr.flush()
-    except Exception:
+    except (OSError, ValueError):   # (stderr closed)
         pass

@@ -15,6 +15,7 @@ makes no marks for a while); a hang there is left to torch's process-group timeo
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
@@ -28,6 +29,8 @@ from zeroplug.faults import abort_cleanups
 from .peers import Peers, peer_lines
 from .record import Record
 
+log = logging.getLogger("zeroplug")
+
 #: the exit status of a rank the watchdog ends
 EXIT_STALLED = 3
 
@@ -38,8 +41,8 @@ def run_aborts(budget: float = 5.0) -> None:
         for fn in abort_cleanups():
             try:
                 fn()
-            except Exception:
-                pass
+            except Exception as exc:        # one clean-up's failure must not stop the others
+                log.debug("faults: a clean-up before the end failed: %r", exc)
     t = threading.Thread(target=run, name="zeroplug-abort-cleanup", daemon=True)
     t.start()
     t.join(budget)
@@ -51,13 +54,14 @@ def dump_flight_recorder(rank: int) -> str:
     try:
         import torch._C._distributed_c10d as c10d
         data = c10d._dump_fr_trace(True, True, False)
-    except Exception:
+    except Exception as exc:        # a torch without it, or nothing recorded
+        log.debug("faults: no flight recorder dump: %r", exc)
         return ""
     try:
         if not pickle.loads(data).get("entries"):
             return ""
-    except Exception:
-        pass
+    except (pickle.UnpicklingError, AttributeError, EOFError, TypeError) as exc:
+        log.debug("faults: the flight recorder's dump does not unpickle: %r", exc)
     base = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
             or "/tmp/nccl_trace_rank_")
     path = f"{base}{rank}"
@@ -96,8 +100,8 @@ class Watchdog(threading.Thread):
                 return
             try:
                 self._look()
-            except Exception:       # a watchdog that dies must not take the run with it
-                pass
+            except Exception as exc:        # a watchdog that dies must not take the run with it
+                log.debug("faults: the watchdog's look failed: %r", exc)
 
     def _wait(self) -> None:
         """One interval, or less when a signal arrives (the wake-up descriptor)."""
@@ -185,7 +189,7 @@ def end_process(line: str, status: int) -> None:
     say_once(line)
     try:
         sys.stdout.flush()
-    except Exception:
+    except (OSError, ValueError):   # (stdout closed)
         pass
     run_aborts()
     os._exit(status)
