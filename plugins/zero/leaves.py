@@ -100,7 +100,9 @@ def owners(module: torch.nn.Module, leaves) -> list[tuple[torch.nn.Module, list]
     gathered with its holder (:func:`holders`) adds its parameters to the holder's."""
     held = holders(module, leaves)
     carried: dict[int, list] = {}
-    for leaf in leaves:
+    # Note: in the model's module order, never a set's: a unit's layout must be the same on
+    # every rank, and a set of modules iterates by address, which differs between processes
+    for leaf in module.modules():
         if id(leaf) in held:
             carried.setdefault(id(held[id(leaf)]), []).extend(leaf.parameters())
     out, inside = [], set()
