@@ -109,6 +109,8 @@ class Faults(NoFaults):
         if engine is not None and self.record.engine_ref() is not engine:
             self.record.track(engine)
         self.record.enter(activity)
+        if activity in ("forward", "backward", "step") and self._state.watchdog is not None:
+            self._state.watchdog.nudge()
         if activity == "close" and not self.closed:
             self.closed = True
             self._state.open_engines -= 1

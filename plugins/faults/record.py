@@ -51,7 +51,9 @@ class Record:
             self.completed = engine.global_step
             self.step = engine.global_step + 1
             self.accumulation = engine.gradient_accumulation_steps
-            self.micro = min(engine.micro_steps_in_window + 1, self.accumulation)
+            # (the micro-step a forward or backward runs; the one that just ended for step())
+            done = engine.micro_steps_in_window
+            self.micro = max(1, min(done + (activity != "step"), self.accumulation))
         self.inside += 1
         self.thread = threading.get_ident()
         self._outer.append(self.activity)

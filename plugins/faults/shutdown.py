@@ -14,7 +14,9 @@ runs handlers last-in first-out):
    same on every rank): a save in flight is finished, the overlapped optimizer step waited
    for, the tiers' threads and files (cpu_adam's step worker, the swapper's threads and swap
    directory) ended;
-3. the watchdog thread is stopped;
+3. the watchdog thread is stopped, and the comparisons' gloo group destroyed (with an NCCL
+   default group too: a gloo group alive at exit can abort the process, see
+   :mod:`zeroplug.launch`);
 4. then :mod:`zeroplug.launch`'s handler destroys the default gloo group.
 
 Note: Python has joined the non-daemon threads (a background save's writer, thread pools'
@@ -62,6 +64,15 @@ def meet_at_exit(state) -> bool:
     return False
 
 
+def end_group(group) -> None:
+    import torch.distributed as dist
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    except (RuntimeError, ValueError) as exc:     # already gone with the default group
+        log.debug("faults: destroying the comparisons' group: %r", exc)
+
+
 def at_exit(state) -> None:
     if not state.exception_seen and not state.record.failed:
         if state.agreement is not None and state.open_engines > 0 and not meet_at_exit(state):
@@ -76,6 +87,9 @@ def at_exit(state) -> None:
     if state.watchdog is not None:
         state.watchdog.stop()
         state.watchdog.join(timeout=2.0)
+    if state.agreement is not None:         # the comparisons' gloo group (a gloo group alive at exit
+        end_group(state.agreement.group)    # can abort the process: zeroplug.launch)
+        state.agreement = None
     try:
         sys.stderr.flush()
     except (OSError, ValueError):   # (stderr closed)

@@ -77,6 +77,7 @@ class Watchdog(threading.Thread):
     INTERVAL = 0.25     # seconds between looks (and between publications while the record changes)
     HEARTBEAT = 3.0     # seconds between publications of a record that did not change
     SIGTERM_GRACE = 1.0     # seconds the main thread has to run its SIGTERM handler itself
+    NUDGE = 0.02            # seconds between nudges at most
 
     def __init__(self, state, limit: float):
         super().__init__(name="zeroplug-watchdog", daemon=True)
@@ -89,11 +90,23 @@ class Watchdog(threading.Thread):
         self._cpu = (None, 0.0, 0.0)        # (thread, its CPU time, when read)
         self.wake_fd = -1                   # signals arrive here (context.install_sigterm)
         self._sigterm_at = None
+        # Note: the training thread nudges the watchdog as a forward, backward or step begins, so that
+        # the record the others read is that step's even when a step takes less than an interval
+        # (a rank killed then is named in the step it died in); a write to a pipe, at most every
+        # NUDGE seconds, costs that thread about a microsecond
+        self._nudge_r, self._nudge_w = os.pipe()
+        os.set_blocking(self._nudge_w, False)
+        self._nudged = 0.0
 
     def stop(self) -> None:
         self._halt.set()
+        self.nudge()
 
     def run(self) -> None:
+        try:
+            self.publish(force=True)        # a rank that dies within the first interval leaves one too
+        except Exception as exc:            # (never the end of the watchdog)
+            log.debug("faults: the first publication failed: %r", exc)
         while not self._halt.is_set():
             self._wait()
             if self._halt.is_set():
@@ -103,17 +116,32 @@ class Watchdog(threading.Thread):
             except Exception as exc:        # a watchdog that dies must not take the run with it
                 log.debug("faults: the watchdog's look failed: %r", exc)
 
+    def nudge(self) -> None:
+        """Publish the record soon (called by the training thread)."""
+        now = time.monotonic()
+        if now - self._nudged >= self.NUDGE:
+            self._nudged = now
+            try:
+                os.write(self._nudge_w, b"\0")
+            except OSError:         # (the pipe is full: a nudge is pending already)
+                pass
+
     def _wait(self) -> None:
-        """One interval, or less when a signal arrives (the wake-up descriptor)."""
-        if self.wake_fd < 0:
-            self._halt.wait(self.INTERVAL)
-            return
+        """One interval, or less when a signal arrives (the wake-up descriptor) or a nudge."""
+        fds = [self._nudge_r] + ([self.wake_fd] if self.wake_fd >= 0 else [])
         try:
-            ready, _, _ = select.select([self.wake_fd], [], [], self.INTERVAL)
-            if ready and signal.SIGTERM in os.read(self.wake_fd, 64) and self._sigterm_at is None:
-                self._sigterm_at = time.monotonic()
+            ready, _, _ = select.select(fds, [], [], self.INTERVAL)
         except (OSError, ValueError):
             self.wake_fd = -1
+            return
+        if self._nudge_r in ready:
+            os.read(self._nudge_r, 4096)
+        if self.wake_fd in ready:
+            try:
+                if signal.SIGTERM in os.read(self.wake_fd, 64) and self._sigterm_at is None:
+                    self._sigterm_at = time.monotonic()
+            except OSError:
+                self.wake_fd = -1
 
     def peer_lines(self) -> list[str]:
         return peer_lines(self.peers.read(), self.world, self.rank, time.time())
