@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 
 from .config import Config, load as load_config
-from .errors import ConfigError, PluginError, StateError, ZeroplugError
+from .errors import ConfigError, PluginError, RanksDisagree, StateError, ZeroplugError
 from .hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -47,5 +47,5 @@ def __dir__():
 
 __all__ = ["initialize", "init", "gathered_parameters", "Engine", "Config", "load_config", "hookimpl",
            "ZeroplugError", "get_state_devices", "OffloadStateTypeEnum", "OffloadDeviceEnum", "ConfigError",
-           "PluginError", "StateError", "set_leaf_modules", "unset_leaf_modules", "get_leaf_modules",
+           "PluginError", "StateError", "RanksDisagree", "set_leaf_modules", "unset_leaf_modules", "get_leaf_modules",
            "is_leaf_module"]

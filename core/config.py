@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .faults import FaultOptions
 from .convert.keys import selector_key_error
 from .options import AUTO, build_options, check_keys, opt, suggest
 
@@ -81,7 +82,7 @@ SLOT_TABLES = {
     "activation_checkpointing": ("activations", "none"),
     "sequence": ("sequence", "none"),
 }
-CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions}
+CORE_TABLES = {"batch": BatchOptions, "checkpoint": CheckpointOptions, "faults": FaultOptions}
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Config:
     slots: dict[str, SlotChoice] = field(default_factory=dict)
     raw: dict = field(default_factory=dict)
     world_size: int = 1
+    faults: FaultOptions = FaultOptions()
 
     def slot(self, path: str) -> SlotChoice:
         return self.slots[path]
@@ -286,6 +288,7 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
 
     batch_options = build_options(BatchOptions, raw.get("batch", {}), "batch")
     ckpt = build_options(CheckpointOptions, raw.get("checkpoint", {}), "checkpoint")
+    faults = build_options(FaultOptions, raw.get("faults", {}), "faults")
     slots, used_shared = {}, set()
     for path, (slot, default) in SLOT_TABLES.items():
         table = dict(raw.get("offload", {}).get(path.split(".")[1], {}) if path.startswith("offload.")
@@ -308,7 +311,7 @@ def resolve(raw: dict, pm=None, world_size: int = 1) -> Config:
             "[zeroplug] [%s] is set but no selected plugin uses it (it configures: %s); it changes nothing",
             t, ", ".join(sorted(f"{s}:{r.name}" for s, r in owners[t])))
     batch = _resolve_batch(batch_options, *_data_parallel(slots, world_size))
-    cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size)
+    cfg = Config(batch=batch, checkpoint=ckpt, slots=slots, raw=raw, world_size=world_size, faults=faults)
     for choice in slots.values():   # cross-slot rules, e.g. offload.param needs stage 3
         check = getattr(choice.impl, "check_config", None)
         if check is not None:

@@ -23,6 +23,7 @@ import torch
 from . import config as config_mod
 from .comm import Comm
 from .errors import PluginError, StateError, StepFailedError
+from .faults import watched
 from zeroplug.gathering import forget_engine, register_engine
 from zeroplug.launch import start_process_group
 from zeroplug.observe.metrics import StepMetrics, sequence_length
@@ -130,9 +131,11 @@ class Engine:
         # here keeps that wait in initialize instead of in the first step's first collective
         run.comm.barrier()
         register_engine(self)
+        # (the faults plugin fills self.run.faults here: zeroplug.faults; the calls below are @watched)
         self.hook.zeroplug_engine_created(engine=self)
 
     # -- the training step -------------------------------------------------------
+    @watched("forward")
     def __call__(self, *inputs, **kwargs):
         self.require_states("forward")
         if self.tokens_per_sample is None:
@@ -154,6 +157,7 @@ class Engine:
         after ``backward`` and before ``step``: whether the one just taken did)."""
         return self.micro_steps_in_window + self._stepped_since_backward >= self.gradient_accumulation_steps
 
+    @watched("backward")
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, window: int | None = None) -> None:
         """Backward of ``loss`` divided by the accumulation steps. ``window``: how many
         micro-batches this backward's accumulation window has, where a host loop's differs
@@ -182,6 +186,7 @@ class Engine:
         self.micro_steps_in_window += 1
         self._stepped_since_backward = False
 
+    @watched("step")
     def step(self) -> None:
         """Steps the optimizer once the accumulation window is complete; a no-op before."""
         self.require_states("step")
@@ -369,6 +374,7 @@ class Engine:
             raise StateError(f"engine.{what}() called while states {sorted(self.states_offloaded)} are "
                              f"offloaded; call engine.reload_states() first")
 
+    @watched("close")
     def close(self) -> None:
         """Release offload files and buffers; monitors flush. A save in flight is finished
         first; if it failed, its error is raised after the clean-up."""
@@ -391,6 +397,7 @@ class Engine:
             raise CheckpointError(save_error)
 
     # -- checkpoints (zeroplug.checkpoint) -------------------------------------------------
+    @watched("save_checkpoint")
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         async_save: bool | None = None) -> str:
         """Save the complete training state under ``save_dir/tag`` (default ``global_step<N>``),
@@ -400,6 +407,7 @@ class Engine:
         from .checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save)
 
+    @watched("load_checkpoint")
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Restore a checkpoint saved on any world size (``tag`` None: the ``latest`` one);

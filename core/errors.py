@@ -43,3 +43,9 @@ class StepFailedError(StateError):
             f"they are neither trained on nor saved; resume from the last checkpoint "
             f"(engine.load_checkpoint(dir), or zeroplug train --resume)")
         self.reason = reason
+
+
+class RanksDisagree(ZeroplugError, RuntimeError):
+    """Ranks were about to run different collectives, or disagree on a setting or an argument
+    that every rank must share (zeroplug.faults): every rank raises it, with the same message,
+    before any of them blocks."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Iterable
 import torch
 
 from .comm import Comm
+from .faults import NO_FAULTS
 from .hookspecs import hookimpl
 # the offload tier's slot: the stage <-> tier contract (documented there)
 from .tiers import (Layout, OffloadDevice, OffloadTier, SubGroup, SubGroupOptimizer,  # noqa: F401
@@ -49,6 +50,9 @@ class RunContext:
     # host bytes the offload tiers planned on this host (initialize's host-memory check), which
     # memory that grows with the batch must leave them (zeroplug.host_budget.host_room)
     host_planned: int = 0
+    # the engine's part in fault handling (zeroplug.faults.Faults, set when the engine is ready):
+    # a stage calls faults.agree(...) before a collective whose partners depend on its rank's path
+    faults: Any = NO_FAULTS
 
     @property
     def rank(self) -> int:

@@ -84,6 +84,8 @@ def start_process_group(device_type: str | None = None, backend: str | None = No
     if device_type == "cuda" and torch.cuda.is_available():
         # Note: every rank would otherwise train on cuda:0 (torch's current device)
         torch.cuda.set_device(local_rank() % torch.cuda.device_count())
+    if backend == "nccl":
+        nccl_fault_handling()
     kw = {}
     if timeout is not None:
         kw["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
@@ -109,6 +111,25 @@ def start_process_group(device_type: str | None = None, backend: str | None = No
         log.warning("[zeroplug] started the %s process group of %d ranks from the launcher's "
                     "environment (torch.distributed.init_process_group was not called)", backend, world)
     return world > 1
+
+
+#: torch's own NCCL fault handling, set where the environment leaves it unset
+NCCL_FAULT_HANDLING = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",     # a failed or timed-out collective ends the rank
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",          # ... after the flight recorder dumps its records
+    "TORCH_FR_BUFFER_SIZE": "2000",             # the flight recorder: the last collectives per group
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",     # (its name before torch 2.7)
+}
+
+
+def nccl_fault_handling() -> None:
+    """Turn on torch's NCCL fault handling for the group about to start, where the environment
+    does not choose: a collective that fails or outlives the process group's timeout ends its
+    rank (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, so torchrun's agent ends the others) once torch's
+    flight recorder has dumped the group's last collectives (TORCH_NCCL_DEBUG_INFO_TEMP_FILE,
+    by default /tmp/nccl_trace_rank_<rank>). docs/reliability.md, section 11."""
+    for key, value in NCCL_FAULT_HANDLING.items():
+        os.environ.setdefault(key, value)
 
 
 _DESTROY_AT_EXIT: set[int] = set()     # the groups an exit handler is registered for

@@ -10,12 +10,19 @@ routing. Stage 3 finds such blocks itself (``zero.stage3_auto_leaf_modules``: a 
 that holds a ``ModuleList`` or ``ModuleDict`` named like ``experts``); others are
 declared with :func:`set_leaf_modules` or ``zero.stage3_leaf_modules`` (class names),
 as DeepSpeed users declare them with ``deepspeed.utils.set_z3_leaf_modules``.
+
+A leaf that is a module of the model rather than a class (``set_leaf_modules(model,
+[model.experts])``), and a leaf that is a ModuleList or ModuleDict (never called itself), is
+gathered with the module that holds it, in that module's forward: the experts of a model
+whose own forward routes over them (an ``experts`` list held by the model itself, found as
+such), or a module that a branch runs on some ranks only.
 """
 from __future__ import annotations
 
 import torch
 
 _MARK = "_zp_leaf"
+_WITH_HOLDER = "holder"        # the mark of a leaf gathered with the module that holds it
 
 
 def class_names(module: torch.nn.Module) -> tuple[str, str]:
@@ -25,21 +32,25 @@ def class_names(module: torch.nn.Module) -> tuple[str, str]:
 
 
 def _matches(module: torch.nn.Module, kinds) -> bool:
-    return any(k in class_names(module) if isinstance(k, str) else isinstance(module, k) for k in kinds)
+    return any(module is k if isinstance(k, torch.nn.Module) else
+               k in class_names(module) if isinstance(k, str) else isinstance(module, k) for k in kinds)
 
 
 def set_leaf_modules(model: torch.nn.Module, leaf_modules, raise_if_not_found: bool = True) -> list:
     """Mark every module of ``model`` whose class is in ``leaf_modules`` (classes, class
-    names or dotted ``package.module.Class`` paths) as a leaf; returns the marked modules. Call it before ``zeroplug.initialize``.
-    Raises ValueError when nothing matches (unless ``raise_if_not_found`` is false)."""
+    names or dotted ``package.module.Class`` paths), and every module of ``model`` given
+    itself (``model.experts``: gathered with the module that holds it), as a leaf; returns
+    the marked modules. Call it before ``zeroplug.initialize``. Raises ValueError when
+    nothing matches (unless ``raise_if_not_found`` is false)."""
     kinds = list(leaf_modules)
     found = [m for m in model.modules() if _matches(m, kinds)]
     if not found and raise_if_not_found:
         names = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(f"set_leaf_modules: no module of the model is a {', '.join(map(_name, kinds))}; "
                          f"its module classes are: {', '.join(names)}")
+    given = {id(k) for k in kinds if isinstance(k, torch.nn.Module)}
     for m in found:
-        setattr(m, _MARK, True)
+        setattr(m, _MARK, _WITH_HOLDER if id(m) in given else True)
     return found
 
 
@@ -61,6 +72,13 @@ def get_leaf_modules(model: torch.nn.Module) -> list:
 
 def is_leaf_module(module: torch.nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
+
+
+def gathered_with_holder(module: torch.nn.Module) -> bool:
+    """Whether a leaf ``module`` is gathered in the forward of the module that holds it: one
+    declared as a module of the model, and every ModuleList / ModuleDict (never called)."""
+    return getattr(module, _MARK, None) == _WITH_HOLDER or isinstance(
+        module, (torch.nn.ModuleList, torch.nn.ModuleDict))
 
 
 def expert_lists(module: torch.nn.Module) -> list[torch.nn.Module]:

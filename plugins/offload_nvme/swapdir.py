@@ -37,6 +37,7 @@ import time
 from typing import Any, Protocol
 
 from zeroplug.errors import ConfigError
+from zeroplug.faults import at_abort
 from zeroplug.trust import HeldDir, UntrustedDirError, printable
 from zeroplug.locks import UNSUPPORTED, NotALockFile, describe_holder, holder_record, read_holder, try_lock
 from zeroplug.observe.memory import GB
@@ -408,4 +409,6 @@ def _after_fork_in_child() -> None:
 
 atexit.register(at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)
+# a rank that zeroplug's watchdog ends (os._exit, no atexit) removes its swap directories first
+at_abort(lambda: cleanup_all(fast=True))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from zeroplug.errors import ConfigError
-from zeroplug.leaf import class_names, expert_lists, holds_experts, is_leaf_module
+from zeroplug.leaf import class_names, expert_lists, gathered_with_holder, holds_experts, is_leaf_module
 
 
 def find_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -41,7 +41,8 @@ def find_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
     """The outermost leaf modules of ``module``: marked by ``zeroplug.set_leaf_modules``,
-    named in ``stage3_leaf_modules``, (``stage3_auto_leaf_modules``) holding experts, or
+    named in ``stage3_leaf_modules``, (``stage3_auto_leaf_modules``) holding experts or, for
+    the model itself, its experts lists (gathered with the model's own forward), or
     (``stage3_block_units``) a repeated block (:func:`find_blocks`)."""
     declared = set(options.stage3_leaf_modules)
     names = {n for m in module.modules() for n in class_names(m)}
@@ -53,7 +54,8 @@ def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
                           key="zero.stage3_leaf_modules")
     # Note: the model itself is never found a leaf (a model whose own forward routes over its
     # experts): gathered whole it would not be sharded at all, and its output need not be a
-    # tensor, so no backward hook of its own would gather it again for the backward.
+    # tensor, so no backward hook of its own would gather it again for the backward. Its
+    # experts lists are leaves instead, gathered with its own forward (on every rank).
     blocks = {id(b) for b in find_blocks(module)} if options.stage3_block_units else set()
     leaves, inside = [], set()
     for m in module.modules():
@@ -63,21 +65,56 @@ def find_leaves(module: torch.nn.Module, options) -> list[torch.nn.Module]:
                 options.stage3_auto_leaf_modules and m is not module and holds_experts(m)):
             leaves.append(m)
             inside.update(id(c) for c in m.modules())
+        elif options.stage3_auto_leaf_modules and m is module:
+            for experts in expert_lists(m):
+                leaves.append(experts)
+                inside.update(id(c) for c in experts.modules())
     return leaves
+
+
+def holders(module: torch.nn.Module, leaves) -> dict[int, torch.nn.Module]:
+    """id(leaf) -> the module whose forward gathers it, for the leaves gathered with the
+    module that holds them (``zeroplug.leaf.gathered_with_holder``): the nearest module above
+    the leaf that is not a ModuleList / ModuleDict (the model itself at most)."""
+    parent = {id(c): m for m in module.modules() for c in m.children()}
+    out = {}
+    for leaf in leaves:
+        if leaf is module or not gathered_with_holder(leaf):
+            continue
+        up = parent.get(id(leaf), module)
+        while up is not module and isinstance(up, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            up = parent.get(id(up), module)
+        out[id(leaf)] = up
+    return out
+
+
+def gatherers(module: torch.nn.Module, leaves) -> set:
+    """The modules whose forward gathers a leaf's units: each leaf, or the module that holds it."""
+    held = holders(module, leaves)
+    return {held.get(id(leaf), leaf) for leaf in leaves}
 
 
 def owners(module: torch.nn.Module, leaves) -> list[tuple[torch.nn.Module, list]]:
     """(module, the parameters its hooks gather) in ``module.modules()`` order: a leaf owns
-    every parameter inside it, and the modules inside a leaf own none (no hooks)."""
+    every parameter inside it, and the modules inside a leaf own none (no hooks); a leaf
+    gathered with its holder (:func:`holders`) adds its parameters to the holder's."""
+    held = holders(module, leaves)
+    carried: dict[int, list] = {}
+    # Note: in the model's module order, never a set's: a unit's layout must be the same on
+    # every rank, and a set of modules iterates by address, which differs between processes
+    for leaf in module.modules():
+        if id(leaf) in held:
+            carried.setdefault(id(held[id(leaf)]), []).extend(leaf.parameters())
     out, inside = [], set()
     for m in module.modules():
         if id(m) in inside:
             continue
         if m in leaves:
             inside.update(id(c) for c in m.modules())
-            out.append((m, list(m.parameters())))
+            if id(m) not in held:
+                out.append((m, list(m.parameters())))
         else:
-            out.append((m, [p for p in m._parameters.values() if p is not None]))
+            out.append((m, [p for p in m._parameters.values() if p is not None] + carried.get(id(m), [])))
     return out
 
 

@@ -80,8 +80,10 @@ class ZeroOptions:
             "zeroplug.set_leaf_modules(model, [cls]) and DeepSpeed's set_z3_leaf_modules.")
     stage3_auto_leaf_modules: bool = opt(
         True, "Stage 3: a module holding a ModuleList or ModuleDict named like 'experts' is a leaf "
-              "module (see stage3_leaf_modules); false gathers each expert on its own, which hangs "
-              "when ranks route tokens to different experts.")
+              "module (see stage3_leaf_modules), and such a list held by the model itself is gathered "
+              "whole with the model's own forward; false gathers each expert on its own, and ranks that "
+              "route tokens to different experts then stop with an error that names them "
+              "([faults] check_paths).")
     stage3_block_units: bool = opt(
         True, "Stage 3: each repeated block of the model (an entry of a ModuleList or Sequential of "
               "modules of one class, as transformer layers are; the innermost where they nest) is one "

@@ -35,6 +35,7 @@ from .masters import make_masters
 from .offload import OnDevice
 from .param_sources import choose_param_source
 from .shard_map import build_shard_map
+from .names import unit_name
 from .partitioned_init import init_group
 from .options import ZeroOptions, bucket_elements, hidden_size
 from .unit import Unit
@@ -106,6 +107,8 @@ class FlatPartitioner(Partitioner):
         several = self.comm.world_size > 1
         self._ready = self._reduce_in_order if several else self._reduce
         self._end_order = self._reduce_order if several else self.units
+        self._flush_pending = False     # _end_micro_step is to be queued in this backward
+        self._flushes_micro_steps = self.shard_grads and several
         m = make_masters(self)          # (masters.py)
         self.offloaded, self.alias, self.lazy_grads = m.offloaded, m.alias, m.lazy_grads
         self.master_flat, self.sub_group_ranges = m.flat, m.sub_group_ranges
@@ -211,6 +214,9 @@ class FlatPartitioner(Partitioner):
     def before_backward(self, at_boundary: bool = True, first_micro_step: bool = True) -> None:
         self._check_trainability()
         self.at_boundary = at_boundary      # read by the gradient sink during this backward
+        # several ranks, sharded gradients, a window still open: every unit is reduced at the
+        # end of this backward (_end_micro_step), so that the ranks' reductions pair up
+        self._flush_pending = self._flushes_micro_steps and not at_boundary
         if first_micro_step:
             for u in self.units:
                 u.window_fresh = True     # its first reduction in this window overwrites
@@ -230,6 +236,9 @@ class FlatPartitioner(Partitioner):
                                  "changing which parameters train")
 
     def _on_grad(self, p) -> None:
+        if self._flush_pending:         # queued from inside the backward (the autograd engine runs)
+            self._flush_pending = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_step)
         u = self.unit_of[p]
         self.grads.take(u, u.position[p], p)
         u.pending -= 1
@@ -247,10 +256,29 @@ class FlatPartitioner(Partitioner):
             if not v.reduced:
                 self._reduce(v)
 
+    def _end_micro_step(self) -> None:
+        """The end of a backward that does not close the accumulation window (several ranks,
+        sharded gradients): every unit not reduced yet is reduced now, in the fixed order (zeros
+        where no gradient came).
+
+        Note: a unit's reduction waits for every unit before it in the order; a unit this
+        rank's backward did not reach (an expert no token was routed to, a skipped branch)
+        stops the chain on this rank while another rank's goes on, and the next micro-step's
+        reductions would pair different units (zeroplug.faults' comparisons stop the run there).
+        Every unit reduced once per micro-step keeps the ranks' sequences equal."""
+        for u in self._reduce_order:
+            if not u.reduced and self.grads.reduce_at_end(u):
+                self._reduce(u)
+
     def _reduce(self, u: Unit) -> None:
         u.reduced = True
+        self.run.faults.issued("reduce", u.index, self.unit_name)    # faults: named in messages
         self.grads.reduce(u)
         self._after_reduce(u)
+
+    def unit_name(self, index: int) -> str:
+        """What unit ``index`` holds, for messages (names.py)."""
+        return unit_name(self, index)
 
     def _after_reduce(self, u: Unit) -> None:
         """Hook for stage 3: release the unit's gathered parameters."""

@@ -24,7 +24,7 @@ from zeroplug.tiers import Layout, UnitShard
 from .flat_layout import FlatLayout
 from .untraced import eager
 from .partitioned_init import PartitionedInit, flush_pending, init_group, materialize
-from .leaves import find_leaves, owners, reachable_params
+from .leaves import find_leaves, gatherers, owners, reachable_params
 from .options import hidden_size
 from .groups import shard_mesh
 from .hpz import SecondaryFirst, SecondaryShard, check_hpz
@@ -80,6 +80,7 @@ class Stage3(Stage2):
             self.lp_from_master = True
         flush_pending()
         self.leaves = set(find_leaves(module, o))
+        self.leaf_gatherers = gatherers(module, self.leaves)    # a leaf, or the module that holds it
         self.upload = (torch.cuda.Stream(self.run.device)
                        if self.params_offloaded and self.run.device.type == "cuda" else None)
         super().setup(module, precision, offload_optimizer, offload_param, groups)
@@ -241,6 +242,12 @@ class Stage3(Stage2):
     def begin_gather(self, u: Unit) -> None:
         """Start gathering the released unit ``u``."""
         self.states.wait_unit(u)       # an overlapped step has published this unit
+        # faults: a forward's gather is compared across the ranks first; a backward's follows
+        # from the forward's and is only named (zeroplug.faults; one rank: nothing to do)
+        if _in_backward():
+            self.run.faults.issued("all_gather", u.index, self.unit_name)
+        else:
+            self.run.faults.agree("all_gather", u.index, self.unit_name)
         u.source.fetch(u)
         u.start_gather(self.shard_comm, self.upload)
 
@@ -259,6 +266,7 @@ class Stage3(Stage2):
         """A persistent unit's whole copy, from its shard after an overlapped step."""
         self._stale.discard(u.index)
         self.states.wait_unit(u)
+        self.run.faults.agree("refill", u.index, self.unit_name)   # faults: compared first (one rank: nothing)
         u.fill_full(self.shard_comm, self.upload).wait()
 
     def live_numel(self) -> int:
@@ -286,7 +294,7 @@ class Stage3(Stage2):
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
         if backward_follows:
-            if module in self.leaves:
+            if module in self.leaf_gatherers:
                 self._expect_grads(module, units, outs, args)
             for t in outs:
                 t.register_hook(lambda grad, m=module: self._pre_backward(m))
