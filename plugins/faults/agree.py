@@ -9,13 +9,15 @@ not, every rank learns it in the same call, before any of them issues the collec
 would block; they then exchange their descriptions (one small all-gather, which every
 rank is in) and all raise :class:`RanksDisagree` with the same one-line message.
 
-Note: what a backward gathers and reduces follows from what its forward gathered, which
-the ranks compared: the backward visits the modules the forward ran, in reverse, and the
-reductions run in one fixed unit order, every unit once per micro-step
-(``Stage2._end_micro_step``); a comparison before each of them would cost a round trip
-per unit and find nothing the forward's did not (a divergence there would block until the
-watchdog's limit, which names every rank's last collective). The optimizer step is not
-compared either: a reduction may be in one rank's backward and in another's step.
+Note: what a backward gathers and reduces follows from what its forward ran, which the
+ranks compared (each gather of a forward with a hash of the units run so far, and the
+backward with the hash of them all: ``Faults.forward_path``): the backward visits the
+modules the forward ran, in reverse, and the reductions run in one fixed unit order, every
+unit once per micro-step (``Stage2._end_micro_step``); a comparison before each of them
+would cost a round trip per unit and find nothing the forward's did not (a divergence there
+would block until the watchdog's limit, which names every rank's last collective). The
+optimizer step is not compared either: a reduction may be in one rank's backward and in
+another's step.
 
 Note: the comparisons run on a gloo group of their own, so that they pair only with each
 other, never with a data collective that another rank issued meanwhile, and cost no device
