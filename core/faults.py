@@ -59,16 +59,23 @@ class NoFaults:
     def io(self, on: bool) -> None:
         """Checkpoint I/O begins (True) or ends on this rank: progress that makes no marks."""
 
+    def forward_path(self, key: int, path=None, describe=None) -> None:
+        """The forward in progress has run the units whose order ``key`` hashes (``path()``:
+        their indices, ``describe(index)`` a unit's module, asked only for a message); the next
+        backward's comparison includes it, so ranks whose forwards ran different modules stop
+        before their backwards part."""
+
     def issued(self, kind: str, index: int, describe=None) -> None:
         """A collective that needs no comparison (it follows from what the ranks compared before
         it) is about to start: ``kind`` as for :meth:`agree`; named in messages."""
 
-    def agree(self, kind: str, index: int = -1, describe=None, detail: str = "") -> None:
+    def agree(self, kind: str, index: int = -1, describe=None, detail: str = "", path=None) -> None:
         """Every rank is about to do ``kind`` ("all_gather" or "refill" of unit ``index``,
-        whose module ``describe(index)`` names for messages; "backward", "save_checkpoint",
-        "load_checkpoint", "close", "exit") with the same ``detail`` (an argument every rank must
-        share): else every rank raises :class:`zeroplug.errors.RanksDisagree` here, before any
-        of them blocks in what follows. Called right before the collective it is about."""
+        whose module ``describe(index)`` names for messages; "backward", "save_checkpoint", "load_checkpoint", "close", "exit") with the same
+        ``detail`` (an argument every rank must share, or a key of the path its forward took):
+        else every rank raises :class:`zeroplug.errors.RanksDisagree` here, before any of them
+        blocks in what follows. ``path()``: the units this forward ran so far, in order (asked
+        only for the message). Called right before the collective it is about."""
 
 
 NO_FAULTS = NoFaults()

@@ -81,6 +81,7 @@ class Faults(NoFaults):
         self.ordinal = next(_ordinal)       # engines are made in the same order on every rank
         self.engine_ref = weakref.ref(engine)
         self.closed = False
+        self._path = (0, None, None)    # the forward's units (forward_path): compared with each backward
         st = STATE
         self.record = st.record
         st.rank, st.world = self.rank, self.world
@@ -125,10 +126,13 @@ class Faults(NoFaults):
         self.record.busy += 1 if on else -1
 
     # -- comparisons ---------------------------------------------------------------------
+    def forward_path(self, key: int, path=None, describe=None) -> None:
+        self._path = (key, path, describe)
+
     def issued(self, kind: str, index: int, describe=None) -> None:
         self.record.issued(kind, index, describe)
 
-    def agree(self, kind: str, index: int = -1, describe=None, detail: str = "") -> None:
+    def agree(self, kind: str, index: int = -1, describe=None, detail: str = "", path=None) -> None:
         a = self.agreement
         if a is None:
             return
@@ -138,6 +142,9 @@ class Faults(NoFaults):
         rec = self.record
         if kind in UNIT_KINDS:
             rec.issued(kind, index, describe)
+        if kind == "backward":      # with the units its forward ran
+            key, path, describe = self._path
+            detail = str(key) if key else ""
         # Note: a unit's collective pairs with the same unit's on the other ranks wherever they
         # are within the step: a reduction that one rank's backward reaches is in the optimizer
         # step on a rank whose backward did not (after its micro-step ended)
@@ -150,7 +157,8 @@ class Faults(NoFaults):
             rec.tick()
         if same:
             return
-        mine = describe_mine(kind, index, describe, detail, rec.where(collective=False), self.rank, step, micro)
+        mine = describe_mine(kind, index, describe, detail, rec.where(collective=False), self.rank, step, micro,
+                             path)
         message = explain(a.descriptions(mine), engine.module if engine is not None else None)
         rec.failed = "the ranks are on different paths"
         raise RanksDisagree(message)

@@ -9,13 +9,15 @@ not, every rank learns it in the same call, before any of them issues the collec
 would block; they then exchange their descriptions (one small all-gather, which every
 rank is in) and all raise :class:`RanksDisagree` with the same one-line message.
 
-Note: what a backward gathers and reduces follows from what its forward gathered, which
-the ranks compared: the backward visits the modules the forward ran, in reverse, and the
-reductions run in one fixed unit order, every unit once per micro-step
-(``Stage2._end_micro_step``); a comparison before each of them would cost a round trip
-per unit and find nothing the forward's did not (a divergence there would block until the
-watchdog's limit, which names every rank's last collective). The optimizer step is not
-compared either: a reduction may be in one rank's backward and in another's step.
+Note: what a backward gathers and reduces follows from what its forward ran, which the
+ranks compared (each gather of a forward with a hash of the units run so far, and the
+backward with the hash of them all: ``Faults.forward_path``): the backward visits the
+modules the forward ran, in reverse, and the reductions run in one fixed unit order, every
+unit once per micro-step (``Stage2._end_micro_step``); a comparison before each of them
+would cost a round trip per unit and find nothing the forward's did not (a divergence there
+would block until the watchdog's limit, which names every rank's last collective). The
+optimizer step is not compared either: a reduction may be in one rank's backward and in
+another's step.
 
 Note: the comparisons run on a gloo group of their own, so that they pair only with each
 other, never with a data collective that another rank issued meanwhile, and cost no device
@@ -85,6 +87,18 @@ def explain(descs: list[dict], model) -> str:
     listing = "; ".join(f"{_ranks(rs)} would run {what}" for what, rs in groups.items())
     kinds = {d["kind"] for d in descs}
     head = f"the ranks are on different paths and would block each other: {listing}"
+    ran = [d.get("ran") for d in descs]
+    if kinds <= set(UNIT_KINDS) | {"backward"} and all(r is not None for r in ran) and len({tuple(r) for r in ran}) > 1:
+        # the same collective next, after forwards that ran different modules (a module a rank
+        # skipped whose unit was gathered ahead on every rank): its backward would differ
+        sets = [set(r) for r in ran]
+        differ = sorted(set.union(*sets) - set.intersection(*sets))     # run on some ranks only
+        if not differ:      # the same modules in another order: those where the orders part
+            first = next(i for i in range(max(map(len, ran))) if len({r[i] if i < len(r) else None for r in ran}) > 1)
+            differ = sorted({r[first] for r in ran if first < len(r)})
+        runs = "; ".join(f"rank {d['rank']} ran {_names(d['ran'])}" for d in descs)
+        return (f"the ranks' forwards ran different modules ({runs}) and their backwards would gather and "
+                f"reduce different units: {listing}. {module_hint(differ, model)}")
     if kinds <= set(UNIT_KINDS) and len({(d["step"], d["micro"]) for d in descs}) == 1:
         return f"{head}. {module_hint([d.get('module') for d in descs], model)}"
     if kinds == {"save_checkpoint"} or kinds == {"load_checkpoint"}:
@@ -99,6 +113,11 @@ def explain(descs: list[dict], model) -> str:
             f"or skips a backward on some ranks, different gradient_accumulation_steps): give every rank the "
             f"same number of batches (a DistributedSampler with drop_last=True), and stop every rank at the "
             f"same step")
+
+
+def _names(ran: list, most: int = 8) -> str:
+    names = [repr(n) if n else "the model's own parameters" for n in ran]
+    return ", ".join(names if len(names) <= most else ["..."] + names[-most:])
 
 
 def _ranks(rs: list[int]) -> str:
@@ -149,10 +168,16 @@ def module_hint(paths: list, model) -> str:
 
 
 def describe_mine(kind: str, index: int, describe, detail: str, where: str, rank: int, step: int,
-                  micro: int) -> dict:
+                  micro: int, path=None) -> dict:
+    ran = None
+    if path is not None:
+        try:
+            ran = [describe(i) if describe is not None else str(i) for i in path()]
+        except Exception as exc:        # a message must never fail for want of a name
+            log.debug("faults: no path for the message: %r", exc)
     return {"rank": rank, "kind": kind, "what": describe_collective(kind, index, describe) if kind in UNIT_KINDS
             else _KIND_WHAT.get(kind, kind), "where": where, "step": step, "micro": micro,
-            "detail": detail, "module": unit_module(kind, index, describe)}
+            "detail": detail, "module": unit_module(kind, index, describe), "ran": ran}
 
 
 _KIND_WHAT = {"backward": "engine.backward",

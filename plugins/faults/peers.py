@@ -1,7 +1,7 @@
 """Each rank's record in the launcher's key-value store, where the other ranks read it.
 
-Note: the watchdog thread publishes its rank's record (twice a second while it changes,
-every few seconds otherwise) over a connection of its own to the store torchrun (or
+Note: the watchdog thread publishes its rank's record (as a forward, backward or step begins,
+four times a second while it changes, every few seconds otherwise) over a connection of its own to the store torchrun (or
 ``env://``) serves at MASTER_ADDR:MASTER_PORT, with a short timeout: the training thread's
 own store client and its timeouts are left alone, and a store that is gone (its host rank
 died) costs a failed read, never a wait. Without MASTER_ADDR / MASTER_PORT (a group started

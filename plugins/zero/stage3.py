@@ -88,6 +88,7 @@ class Stage3(Stage2):
         self.trace_prev: list[int] = []
         self.prefetch_count = 0     # gathers started ahead of use (a statistic: tests, monitors)
         self.trace_cur: list[int] = []
+        self.path_key = 0           # a hash of trace_cur: what the ranks compare (zeroplug.faults)
         self._callback_queued = False
         self.units_of_module: dict[torch.nn.Module, list[Unit]] = {}
         self._stale: set[int] = set()   # persistent units to refill once their sub-group is stepped
@@ -237,6 +238,8 @@ class Stage3(Stage2):
         super().before_forward()
         if self.trace_cur:
             self.trace_prev, self.trace_cur = self.trace_cur, []
+        self.path_key = 0
+        self.run.faults.forward_path(0)
         self.release_all()
 
     def begin_gather(self, u: Unit) -> None:
@@ -247,7 +250,7 @@ class Stage3(Stage2):
         if _in_backward():
             self.run.faults.issued("all_gather", u.index, self.unit_name)
         else:
-            self.run.faults.agree("all_gather", u.index, self.unit_name)
+            self.run.faults.agree("all_gather", u.index, self.unit_name, str(self.path_key), self.trace_cur.copy)
         u.source.fetch(u)
         u.start_gather(self.shard_comm, self.upload)
 
@@ -281,6 +284,10 @@ class Stage3(Stage2):
             if not backward:
                 pos = len(self.trace_cur)
                 self.trace_cur.append(u.index)
+                # faults: the backward's comparison includes the units the forward ran (zeroplug.faults):
+                # a module one rank skipped, gathered ahead on every rank, changes what the backward gathers
+                self.path_key = hash((self.path_key, u.index))
+                self.run.faults.forward_path(self.path_key, self.trace_cur.copy, self.unit_name)
                 prev = self.trace_prev
                 if pos < len(prev) and prev[pos] == u.index:
                     self.prefetch.ahead(prev, pos)

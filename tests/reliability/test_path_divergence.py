@@ -55,11 +55,14 @@ class ExpertsOnTheModel(torch.nn.Module):
 
 
 class Branchy(torch.nn.Module):
-    """``skip``: rank 1 does not run ``extra``; ``swap``: rank 1 runs ``a`` and ``b`` the other way round."""
+    """``skip``: rank 1 does not run ``extra``; ``swap``: rank 1 runs ``a`` and ``b`` the other way
+    round; ``skip-later``: rank 1 does not run ``extra`` in its third forward only (when stage 3
+    has gathered it ahead, as the forwards before went)."""
 
     def __init__(self, mode: str):
         super().__init__()
         self.mode = mode
+        self.calls = 0
         self.emb = torch.nn.Embedding(VOCAB, D)
         self.a = torch.nn.Linear(D, D)
         self.b = torch.nn.Linear(D, D)
@@ -68,10 +71,12 @@ class Branchy(torch.nn.Module):
 
     def forward(self, x, y):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.calls += 1
         h = self.emb(x)
         first, second = (self.b, self.a) if self.mode == "swap" and rank == 1 else (self.a, self.b)
         h = h + torch.tanh(second(torch.tanh(first(h))))
-        if not (self.mode == "skip" and rank == 1):
+        skip = self.mode == "skip" or self.mode == "skip-later" and self.calls == 3
+        if not (skip and rank == 1):
             h = h + torch.tanh(self.extra(h))
         return F.cross_entropy(self.head(h).view(-1, VOCAB), y.view(-1))
 
@@ -143,6 +148,7 @@ STOPS = {
     "experts-rule-off": lambda: (ExpertsOnTheModel(), config(stage3_auto_leaf_modules=False), None),
     "skip": lambda: (Branchy("skip"), config(), None),
     "swap": lambda: (Branchy("swap"), config(), None),
+    "skip-later": lambda: (Branchy("skip-later"), config(stage3_prefetch_bucket_size=10**6), None),
 }
 
 
@@ -210,6 +216,7 @@ def test_trains_as_torch_does(case, results):
     ("swap", r"'a', 'b'", r"zeroplug.set_leaf_modules\(model, \[model.a, model.b\]\)"),
 ])
 def test_ranks_on_different_paths_all_stop_with_one_error(case, names, declare, results):
+    """Each rank is about to gather a different module's unit in the first forward."""
     import re
     errors = [res[case].get("error") for res in results]
     assert errors[0] and errors[0] == errors[1], errors        # every rank, the same line
@@ -252,3 +259,18 @@ def test_different_checkpoint_directories_and_settings_are_named():
         assert r["save"] == res[0]["save"]
         assert r["written"] == []
         assert re.search(r"batch.gradient_accumulation_steps = 1 on rank 0, 2 on rank 1", r["settings"]), r
+
+
+def test_a_module_skipped_after_it_was_gathered_ahead_stops_before_the_backward(results):
+    """In the third step rank 1 skips ``extra``, whose unit stage 3 gathered ahead on every rank
+    (as the forwards before went): the forwards issue the same gathers, but the backwards would
+    not; every rank stops before its backward gathers anything, naming the forwards' modules and
+    ``extra``."""
+    import re
+    errors = [res["skip-later"].get("error") for res in results]
+    assert errors[0] and errors[0] == errors[1], errors
+    line = errors[0]
+    assert re.search(r"the ranks' forwards ran different modules \(rank 0 ran 'emb', 'a, b'?.*'extra'.*; rank 1 "
+                     r"ran .*\) and their backwards would gather and reduce different units", line) or \
+        re.search(r"the ranks' forwards ran different modules \(rank 0 ran .*'extra'.*; rank 1 ran", line), line
+    assert "zeroplug.set_leaf_modules(model, [model.extra])" in line, line
