@@ -50,7 +50,7 @@ CASES = {
     "kill_backward": ([rf"error: rank 0 stopped in {STEP3}, backward; last collective: (gradient reduction|"
                        r"all_gather) of unit \d+ \(\w+\).*; rank 1: .*\(as of [\d.]+ s before\)",
                        r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -9"], False),
-    "kill_optimizer": ([r"error: rank 0 .*; rank 1: .*\(as of [\d.]+ s before\)",
+    "kill_optimizer": ([r"error: rank 0[: ].*; rank 1: .*\(as of [\d.]+ s before\)",
                         r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -9"], True),
     "data_ends": ([r"error: rank 1: at exit: the ranks are on different paths and would block each other: rank 0 "
                    r"would run all_gather of unit \d+ \(\w+\) in step 4 \(micro-step 1 of 2\), forward; rank 1 "
