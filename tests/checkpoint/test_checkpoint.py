@@ -496,8 +496,11 @@ def test_export_plain_torch(tmp_path):
 
 def test_cli_export_and_train_resume(tmp_path, capsys):
     from zeroplug.cli import main
+    # the schedule's length is set, not taken from --steps: the 3-step run and its resumption
+    # train on the 5-step run's schedule
     common = ["train", "--max-bytes", "120000", "--seq", "16", "--batch.micro_batch_size=2",
-              "--batch.steps_per_print=100", "--monitor.plugin=none"]
+              "--batch.steps_per_print=100", "--monitor.plugin=none", "--scheduler.total_num_steps=5",
+              "--scheduler.warmup_num_steps=2"]
     assert main([*common, "--steps", "5"]) == 0
     full = capsys.readouterr().out
     ck = f"--checkpoint.dir={tmp_path / 'ck'}"
