@@ -36,6 +36,9 @@ def _train_args(root: Path, group: int = 2, steps: int = STEPS, resume: bool = F
             "--batch.micro_batch_size=2", "--batch.steps_per_print=1", "--monitor.plugin=csv",
             f"--monitor.path={root / 'loss.csv'}", "--zero.plugin=stage3", f"--zero.shard_group_size={group}",
             f"--checkpoint.dir={root / 'ck'}", f"--checkpoint.every_n_steps={STEPS}",
+            # the schedule's length is set: a run resumed for one more step trains on the same
+            # schedule as the reference run of STEPS + 1 (total_num_steps follows --steps otherwise)
+            f"--scheduler.total_num_steps={STEPS + 1}", "--scheduler.warmup_num_steps=2",
             *(["--resume"] if resume else []), "--collective-timeout", "120"]
 
 
