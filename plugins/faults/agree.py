@@ -54,15 +54,23 @@ class Agreement:
         self.group, self.rank, self.world = group, rank, world
         self.comm = Comm(group)
         self.count = 0          # comparisons made (a statistic: tests, the benchmark)
+        # Note: one tensor for every comparison, held here. gloo's worker thread drops a finished
+        # collective's work after wait() has returned; a tensor Python no longer holds is freed
+        # there, and freeing its Python object takes the GIL. At interpreter exit, where the last
+        # comparison is, Python ends a thread that asks for the GIL, and a thread ended inside
+        # that C++ destructor aborts the process ("terminate called without an active exception",
+        # seen in a core dump of 1 of 50 finished runs)
+        self._wire = torch.zeros(2, dtype=torch.int64)
 
     def compare(self, values: list[int]) -> bool:
         """Whether every rank passed the same ``values`` (compared as one 62-bit hash: two
         integers on the wire, the fewest a MAX over ``[v, -v]`` needs)."""
         h = text_hash(repr(values))
-        t = torch.tensor([h, -h], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        wire = self._wire
+        wire[0], wire[1] = h, -h
+        dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=self.group)
         self.count += 1
-        return int(t[0]) == -int(t[1])
+        return int(wire[0]) == -int(wire[1])
 
     def descriptions(self, mine: dict) -> list[dict]:
         return self.comm.all_gather_object(mine)
