@@ -165,10 +165,15 @@ class LambOptions:
 
 class _Factory(OptimizerFactory):
     cls = None
+    states_per_element = 1      # fp32 state tensors the rule keeps per parameter element
 
     def build(self, params, device):
         from dataclasses import asdict
         return self.cls(params, **asdict(self.options))
+
+    @classmethod
+    def state_bytes(cls, options, run, state_device):
+        return 4.0 * cls.states_per_element
 
 
 class LionFactory(_Factory):
@@ -176,22 +181,15 @@ class LionFactory(_Factory):
     Options = LionOptions
     cls = Lion
 
-    @classmethod
-    def state_bytes(cls, options, run, state_device):
-        return 4.0
-
 
 class AdagradFactory(_Factory):
     """DeepSpeed's Adagrad (DeepSpeedCPUAdagrad's rule)."""
     Options = AdagradOptions
     cls = DeepSpeedAdagrad
 
-    @classmethod
-    def state_bytes(cls, options, run, state_device):
-        return 4.0
-
 
 class LambFactory(_Factory):
     """DeepSpeed's Lamb (FusedLamb's rule; trust ratios over whole parameters)."""
     Options = LambOptions
     cls = Lamb
+    states_per_element = 2      # exp_avg, exp_avg_sq
