@@ -294,10 +294,15 @@ FORKING_HOLDER = textwrap.dedent("""
     if brief == 0:
         os._exit(0 if not lock.held else 1)
     assert os.waitpid(brief, 0)[1] == 0
+    r, w = os.pipe()
     child = os.fork()                   # a child that outlives us (a DataLoader worker)
     if child == 0:
+        os.write(w, b"x")               # runs after the fork handlers: its copies are closed
         time.sleep(60)
         os._exit(0)
+    # Note: fork returns here before the child has run at all; on a loaded machine the
+    # holder could be killed while the child still held its inherited copy of the lock.
+    os.read(r, 1)
     print(child, flush=True)
     sys.stdin.read()
 """)
