@@ -51,6 +51,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _opaque(flat) -> bool:
+    """Whether a flattened output holds an object the hooks cannot look into (not a tensor,
+    not a plain scalar): an object of the model's own, which may hold what a backward starts from."""
+    return any(not torch.is_tensor(t) and not isinstance(t, (int, float, bool, str, type(None))) for t in flat)
+
+
 class Stage3(Stage2):
     """ZeRO-3: as stage 2, plus parameters sharded and gathered around each module's use."""
     stage = 3
@@ -296,10 +302,17 @@ class Stage3(Stage2):
         units = self.units_of_module[module]
         # Note: a backward passes through this module when its output requires grad, also
         # when its own parameters are frozen (the input's gradient needs the weight).
-        outs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        flat = tree_flatten(output)[0]
+        outs = [t for t in flat if torch.is_tensor(t) and t.requires_grad]
         backward_follows = torch.is_grad_enabled() and bool(outs)
         if _in_backward():
             return      # activation-checkpoint recompute: the backward that follows needs them
+        if torch.is_grad_enabled() and not outs and _opaque(flat):
+            # Note: an output the hooks cannot see into (an object of the model's own, say the
+            # model's own forward returning its loss in one) may lead to a backward that needs
+            # these units, with no output tensor to hook a gather on: they stay gathered until
+            # reduced (frozen ones: the end of that backward, or the next forward)
+            return
         if backward_follows:
             if module in self.leaf_gatherers:
                 self._expect_grads(module, units, outs, args)
@@ -360,10 +373,7 @@ class Stage3(Stage2):
             return
         if torch.is_grad_enabled():
             leaves = tree_flatten(output)[0]
-            if any(torch.is_tensor(t) and t.requires_grad for t in leaves):
-                return
-            if any(not torch.is_tensor(t) and not isinstance(t, (int, float, bool, str, type(None)))
-                   for t in leaves):
+            if any(torch.is_tensor(t) and t.requires_grad for t in leaves) or _opaque(leaves):
                 return
         self.release_all()
 

@@ -367,9 +367,6 @@ def _external_read_after_init(rank, world):
     return losses
 
 
-@pytest.mark.xfail(reason="regression from the S2 mode objects (param_sources): stage 3 under zeroplug.init on 2 "
-                          "ranks frees a unit whose weight is read outside its module before the backward uses it "
-                          "(setStorage ... storage of size 0); open in issue S2", strict=False)
 def test_a_weight_read_outside_its_module_works_for_a_model_built_under_init():
     res = run_ranks(_external_read_after_init, 2)
     ref, _ = R.torch_losses("moe", 3)

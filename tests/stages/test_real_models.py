@@ -41,10 +41,7 @@ def references():
     return {name: R.torch_losses(name, STEPS) for name in MODELS}
 
 
-@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=[pytest.mark.slow, pytest.mark.xfail(
-    reason="regression from the S2 mode objects: on 2 ranks a stage-3 unit is freed before the backward uses it "
-           "(setStorage ... storage of size 0; the case of test_finetune's external read); open in issue S2",
-    strict=False)])], ids=["world1", "world2"])
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["world1", "world2"])
 def results(request):
     return request.param, run_ranks(_all_cases, request.param)[0]
 

@@ -274,3 +274,33 @@ def test_a_leaf_parameter_used_outside_the_leaf_is_refused():
     with pytest.raises(AssertionError, match=r"rank 0 failed(.|\n)*StateError: a gradient reached parameter "
                                              r"'experts.3.up.weight'(.|\n)*outside the leaf"):
         run_ranks(run_outside, WORLD, timeout=300)
+
+
+def _own_output_object(rank, world):
+    from tests.support import real_models as R
+    cfg = R.config(3, world, stage3_param_persistence_threshold=0)
+    engine = zeroplug.initialize(R.build("moe"), cfg)
+    part = engine.partitioner
+    holder = [m for m, units in part.units_of_module.items() if m is engine.module]
+    m = R.GLOBAL_BATCH // world
+    losses = []
+    for s in range(3):
+        out = engine(**R.batch("moe", s, rank * m, (rank + 1) * m))
+        engine.backward(out.loss)
+        engine.step()
+        t = out.loss.detach().clone()
+        engine.run.comm.all_reduce(t)
+        losses.append(t.item() / world)
+    return {"losses": losses, "held_by_model": len(holder)}
+
+
+def test_experts_gathered_by_a_model_that_returns_an_object_of_its_own():
+    """The model's own forward holds the experts list (gathered with it, on every rank) and
+    returns its loss inside an object the hooks cannot look into: the experts stay gathered
+    for the backward that the loss starts (no hook on an output tensor could gather them
+    again), and training follows torch."""
+    from tests.support import real_models as R
+    res = run_ranks(_own_output_object, WORLD, timeout=TIMEOUT)
+    ref, _ = R.torch_losses("moe", 3)
+    assert res[0]["held_by_model"] == 1     # the case: the model's forward gathers the experts
+    assert R.max_rel(res[0]["losses"], ref) <= LOSS_RTOL
