@@ -40,13 +40,24 @@ def _default_device() -> torch.device:
     env = os.environ.get("ZEROPLUG_DEVICE", "").strip()
     if env:
         try:
-            return torch.device(env)
+            return _indexed(torch.device(env))
         except RuntimeError as e:
             raise ValueError(f"ZEROPLUG_DEVICE={env!r} is not a device ({e}); use e.g. cpu, cuda "
                              f"or cuda:1, or unset it") from None
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _indexed(dev: torch.device) -> torch.device:
+    """``dev`` with its index: "cuda" names the current CUDA device.
+
+    Note: tensors made on ``torch.device("cuda")`` report ``cuda:0`` (the current index), and
+    ``torch.device("cuda") != torch.device("cuda:0")``: a run's device always carries its
+    index, so that ``t.device == run.device`` holds for the tensors made on it."""
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def make_run(config=None, overrides=None, device=None, plugin_manager=None, model=None):
@@ -56,7 +67,7 @@ def make_run(config=None, overrides=None, device=None, plugin_manager=None, mode
     start_process_group(torch.device(device).type if device is not None else _default_device().type)
     comm = Comm()
     cfg = config_mod.load(config, overrides, pm=pm, world_size=comm.world_size, model=model)
-    dev = torch.device(device) if device is not None else _default_device()
+    dev = _indexed(torch.device(device)) if device is not None else _default_device()
     return cfg, RunContext(device=dev, comm=comm, config=cfg, hook=pm.hook), pm
 
 
