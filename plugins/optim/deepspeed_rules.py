@@ -25,6 +25,24 @@ from zeroplug.shard_map import check_training_thread
 from zeroplug.slots import OptimizerFactory
 
 
+def with_grads(groups):
+    """``(group, parameter)`` for each parameter of ``groups`` that has a gradient."""
+    for g in groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                yield g, p
+
+
+def adam_moments(state: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``p``'s first and second moments in ``state`` (zeros at its first step) and the step
+    count, advanced by one."""
+    if "exp_avg" not in state:
+        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        state["step"] = torch.tensor(0.0)
+    state["step"] += 1
+    return state["exp_avg"], state["exp_avg_sq"], float(state["step"])
+
+
 class Lion(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -32,18 +50,15 @@ class Lion(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for g in self.param_groups:
+        for g, p in with_grads(self.param_groups):
             b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p)
-                m = st["exp_avg"]
-                update = (m * b1).add_(p.grad, alpha=1 - b1).sign_()
-                p.mul_(1 - g["lr"] * g["weight_decay"]).add_(update, alpha=-g["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p)
+            m = st["exp_avg"]
+            update = (m * b1).add_(p.grad, alpha=1 - b1).sign_()
+            p.mul_(1 - g["lr"] * g["weight_decay"]).add_(update, alpha=-g["lr"])
+            m.mul_(b2).add_(p.grad, alpha=1 - b2)
         return loss
 
 
@@ -54,16 +69,13 @@ class DeepSpeedAdagrad(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if "exp_avg_sq" not in st:
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-                decayed = p.grad.add(p, alpha=g["weight_decay"]) if g["weight_decay"] > 0 else p.grad
-                st["exp_avg_sq"].addcmul_(decayed, decayed)
-                p.addcdiv_(p.grad, st["exp_avg_sq"].sqrt().add_(g["eps"]), value=-g["lr"])
+        for g, p in with_grads(self.param_groups):
+            st = self.state[p]
+            if "exp_avg_sq" not in st:
+                st["exp_avg_sq"] = torch.zeros_like(p)
+            decayed = p.grad.add(p, alpha=g["weight_decay"]) if g["weight_decay"] > 0 else p.grad
+            st["exp_avg_sq"].addcmul_(decayed, decayed)
+            p.addcdiv_(p.grad, st["exp_avg_sq"].sqrt().add_(g["eps"]), value=-g["lr"])
         return loss
 
 
@@ -95,43 +107,34 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for g in self.param_groups:
+        for g, p in with_grads(self.param_groups):
             b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if "exp_avg" not in st:
-                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                    st["step"] = torch.tensor(0.0)
-                st["step"] += 1
-                n = float(st["step"])
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                m.mul_(b1).add_(p.grad, alpha=1 - b1)
-                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                c1, c2 = (1 - b1 ** n, 1 - b2 ** n) if g["bias_correction"] else (1.0, 1.0)
-                v_hat = v / c2
-                denom = (v_hat + g["eps"]).sqrt_() if g["eps_inside_sqrt"] else v_hat.sqrt_().add_(g["eps"])
-                update = (m / c1).div_(denom).add_(p, alpha=g["weight_decay"])
-                pieces = self._pieces(p)
-                sums = torch.zeros(len(pieces), 2, dtype=torch.float64, device=p.device)
-                for i, ps in enumerate(pieces):
-                    for a, k in ps:
-                        sums[i, 0] += p[a:a + k].double().square().sum()
-                        sums[i, 1] += update[a:a + k].double().square().sum()
-                comm = self.shard_map.comm if self.shard_map is not None else None
-                if comm is not None and comm.world_size > 1:
-                    check_training_thread(self.shard_map, "Lamb")
-                    wire = sums.to(self.shard_map.device)
-                    comm.all_reduce(wire)
-                    sums = wire.to(p.device)
-                norms = sums.sqrt().tolist()
-                for (w, u), ps in zip(norms, pieces):
-                    ratio = 1.0
-                    if w != 0 and u != 0:
-                        ratio = min(max(w / u, g["min_coeff"]), g["max_coeff"])
-                    for a, k in ps:
-                        p[a:a + k].add_(update[a:a + k], alpha=-g["lr"] * ratio)
+            m, v, n = adam_moments(self.state[p], p)
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            c1, c2 = (1 - b1 ** n, 1 - b2 ** n) if g["bias_correction"] else (1.0, 1.0)
+            v_hat = v / c2
+            denom = (v_hat + g["eps"]).sqrt_() if g["eps_inside_sqrt"] else v_hat.sqrt_().add_(g["eps"])
+            update = (m / c1).div_(denom).add_(p, alpha=g["weight_decay"])
+            pieces = self._pieces(p)
+            sums = torch.zeros(len(pieces), 2, dtype=torch.float64, device=p.device)
+            for i, ps in enumerate(pieces):
+                for a, k in ps:
+                    sums[i, 0] += p[a:a + k].double().square().sum()
+                    sums[i, 1] += update[a:a + k].double().square().sum()
+            comm = self.shard_map.comm if self.shard_map is not None else None
+            if comm is not None and comm.world_size > 1:
+                check_training_thread(self.shard_map, "Lamb")
+                wire = sums.to(self.shard_map.device)
+                comm.all_reduce(wire)
+                sums = wire.to(p.device)
+            norms = sums.sqrt().tolist()
+            for (w, u), ps in zip(norms, pieces):
+                ratio = 1.0
+                if w != 0 and u != 0:
+                    ratio = min(max(w / u, g["min_coeff"]), g["max_coeff"])
+                for a, k in ps:
+                    p[a:a + k].add_(update[a:a + k], alpha=-g["lr"] * ratio)
         return loss
 
 

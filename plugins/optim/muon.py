@@ -37,6 +37,7 @@ from zeroplug.param_groups import ParamGroups
 from zeroplug.shard_map import check_training_thread
 from zeroplug.slots import OptimizerFactory
 
+from .deepspeed_rules import adam_moments, with_grads
 from .newton_schulz import (
     TORCH_COEFFICIENTS, adjusted_lr, as_matrix, input_dtype, orthogonalize_deepspeed, orthogonalize_torch,
 )
@@ -250,22 +251,14 @@ class MuonAdamW(torch.optim.Optimizer):
                                          "decoupled_weight_decay": True} for g in groups]
             self._adamw.step()
             return
-        for g in groups:       # DeepSpeed's Adam of its Muon: bias-corrected moments, eps outside the root
+        for g, p in with_grads(groups):       # DeepSpeed's Adam of its Muon: bias-corrected moments, eps outside the root
             b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if "exp_avg" not in st:
-                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                    st["step"] = torch.tensor(0.0)
-                st["step"] += 1
-                n = float(st["step"])
-                st["exp_avg"].lerp_(p.grad, 1 - b1)
-                st["exp_avg_sq"].lerp_(p.grad.square(), 1 - b2)
-                update = (st["exp_avg"] / (1 - b1 ** n)) / ((st["exp_avg_sq"] / (1 - b2 ** n)).sqrt() + g["eps"])
-                p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(update, alpha=-g["lr"])
+            m, v, n = adam_moments(self.state[p], p)
+            m.lerp_(p.grad, 1 - b1)
+            v.lerp_(p.grad.square(), 1 - b2)
+            update = (m / (1 - b1 ** n)) / ((v / (1 - b2 ** n)).sqrt() + g["eps"])
+            p.mul_(1 - g["lr"] * g["weight_decay"])
+            p.add_(update, alpha=-g["lr"])
 
     def _nesterov(self, g) -> bool:
         return g["nesterov"] or self.rule == "deepspeed"
