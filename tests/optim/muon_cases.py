@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.toy import ToyNet, batches
+from tests.support.toy import ToyNet, batches, global_step
 
 LR, ADAM_LR, WEIGHT_DECAY = 0.02, 1e-2, 0.01
 GLOBAL_BATCH = 8
@@ -84,18 +84,7 @@ def train(rank, world, cfg, steps, engine=None):
     from tests.support.toy import build_engine
     engine = engine or build_engine(ToyNet, cfg)
     gas = engine.gradient_accumulation_steps
-    m = GLOBAL_BATCH // (gas * world)
-    losses = []
-    for x, y in data(steps):
-        total = torch.zeros(())
-        for k in range(gas):
-            lo = (k * world + rank) * m
-            loss = engine(x[lo:lo + m], y[lo:lo + m])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        engine.run.comm.all_reduce(total)
-        losses.append(total.item() / (gas * world))
+    losses = [global_step(engine, x, y, rank, world, gas) for x, y in data(steps)]
     return losses, engine.consolidated_state_dict(), engine
 
 

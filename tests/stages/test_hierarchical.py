@@ -17,7 +17,7 @@ from zeroplug.benchmarking.wire import Collectives, spans_hosts
 from tests.stages.test_stage_equivalence import (CLIP, GLOBAL_BATCH, LR, STEPS, TOL, WEIGHT_DECAY, data,
                                                  make_config, reference)
 from tests.support.distributed import run_ranks
-from tests.support.toy import ToyNet, build_engine
+from tests.support.toy import ToyNet, build_engine, global_step
 
 CPU = {"optimizer": {"plugin": "cpu"}, "param": {"plugin": "cpu"}}
 # (stage, precision, clip, gas, zeroplug.init, tables added to the config)
@@ -62,18 +62,8 @@ def _config(stage, precision, clip, gas, world, group, tables):
 
 
 def _train(engine, rank, world, gas, steps):
-    m = GLOBAL_BATCH // (gas * world)
-    losses = []
-    for x, y in [data()[i] for i in steps]:
-        total = torch.zeros(())
-        for k in range(gas):
-            lo = (k * world + rank) * m
-            loss = engine(x[lo:lo + m], y[lo:lo + m])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        getattr(engine, "zeroplug_engine", engine).run.comm.all_reduce(total)     # (the DeepSpeed wrapper's)
-        losses.append(total.item() / (gas * world))
+    comm = getattr(engine, "zeroplug_engine", engine).run.comm      # (the DeepSpeed wrapper's)
+    losses = [global_step(engine, x, y, rank, world, gas, comm) for x, y in [data()[i] for i in steps]]
     return losses
 
 

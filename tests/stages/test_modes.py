@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_ranks
-from tests.support.toy import ToyNet, batches, build_engine, reference_losses
+from tests.support.toy import ToyNet, batches, build_engine, reference_losses, global_step
 
 GLOBAL_BATCH = 8
 LR, WEIGHT_DECAY = 1e-2, 0.01
@@ -109,17 +109,8 @@ def one_step(engine, rank=0, world=1) -> tuple[float, dict]:
     """One optimizer step on the global batch (this rank's micro-batches); the mean loss and
     the consolidated parameters."""
     gas = engine.config.batch.gradient_accumulation_steps
-    m = GLOBAL_BATCH // (gas * world)
     x, y = next(batches(1, GLOBAL_BATCH))
-    total = torch.zeros(())
-    for k in range(gas):
-        lo = (k * world + rank) * m
-        loss = engine(x[lo:lo + m], y[lo:lo + m])
-        engine.backward(loss)
-        engine.step()
-        total += loss.detach().float()
-    engine.run.comm.all_reduce(total)
-    return total.item() / (gas * world), engine.consolidated_state_dict()
+    return global_step(engine, x, y, rank, world, gas), engine.consolidated_state_dict()
 
 
 def _unique(cases) -> dict:

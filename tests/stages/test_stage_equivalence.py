@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_ranks
-from tests.support.toy import ToyNet, batches, build_engine
+from tests.support.toy import ToyNet, batches, build_engine, global_step
 
 STEPS = 20
 GLOBAL_BATCH = 8            # divisible by world (4) x gradient_accumulation_steps (2)
@@ -115,18 +115,7 @@ def make_config(stage, precision, clip=0.0, gas=1, prefetch=None, world=1):
 def train_case(rank, world, stage, precision, clip, gas, use_init, prefetch):
     cfg = make_config(stage, precision, clip, gas, prefetch, world)
     engine = build_engine(ToyNet, cfg, use_init)
-    m = GLOBAL_BATCH // (gas * world)
-    losses = []
-    for x, y in data():
-        total = torch.zeros(())
-        for k in range(gas):
-            lo = (k * world + rank) * m
-            loss = engine(x[lo:lo + m], y[lo:lo + m])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        engine.run.comm.all_reduce(total)
-        losses.append(total.item() / (gas * world))
+    losses = [global_step(engine, x, y, rank, world, gas) for x, y in data()]
     sd = engine.consolidated_state_dict()      # every rank takes part in the gather
     return {"losses": losses, "state": sd, "skipped": engine.skipped_steps,
             "steps": engine.global_step}

@@ -52,6 +52,22 @@ def reference_losses(model_fn, steps, global_batch, lr=1e-2, clip=0.0, weight_de
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def global_step(engine, x, y, rank=0, world=1, gas=1, comm=None) -> float:
+    """One optimizer step over the global batch ``x, y``: this rank's ``gas`` micro-batches
+    (micro-batch k of rank r is slice ``k * world + r``), step() after each as DeepSpeed's loop
+    does; the mean loss over every rank (``comm``: the engine's when None)."""
+    m = x.shape[0] // (gas * world)
+    total = torch.zeros(())
+    for k in range(gas):
+        lo = (k * world + rank) * m
+        loss = engine(x[lo:lo + m], y[lo:lo + m])
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    (comm or engine.run.comm).all_reduce(total)
+    return total.item() / (gas * world)
+
+
 def build_engine(model_fn, config, use_init=False, device=None):
     """``zeroplug.initialize`` of ``model_fn()`` built from seed 0, inside ``zeroplug.init``
     (each parameter built straight into its shards) when ``use_init``."""
