@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -24,8 +25,10 @@ RUNS = Path("runs")
 CONFIG, RUN, METRICS, CHECKPOINTS, PICTURE = "config.toml", "run.json", "metrics.csv", "checkpoints", "report.png"
 #: set to 1: ``zeroplug train`` writes no run directory unless one is named (test suites, scripts)
 NO_SAVE_ENV = "ZEROPLUG_NO_SAVE"
-#: the command-line choices a run directory keeps (``--resume RUN`` takes them back)
-ARGS = ("model", "seq", "data", "seed", "max_bytes", "activation_checkpointing", "device", "steps")
+#: the command-line choices a run directory keeps (``--resume RUN`` takes them back), and what
+#: ``zeroplug train`` does without the option (and without ``--resume RUN``)
+DEFAULTS = {"model": "char-tiny", "seq": None, "data": None, "seed": 0, "max_bytes": None,
+            "activation_checkpointing": False, "device": "cpu", "steps": 300}
 
 
 def is_run(path) -> bool:
@@ -165,3 +168,85 @@ def config_toml(given: dict, cfg, header: list[str], notes: dict, slot_tables: d
             lines.extend(f"{k} = {_toml(v)}" for k, v in table.items() if not isinstance(v, dict))
             lines.append("")
     return "\n".join(lines)
+
+
+def plan(args) -> tuple[Path | None, dict | None, bool]:
+    """(the run directory ``--resume`` continues, its run.json, whether this run is saved) from
+    --resume, --run-dir and --no-save; ``args`` gets the run's choices (or the defaults) for the
+    options not given."""
+    resumed, saved_args = None, None
+    if args.resume not in (None, "latest", "auto") and Path(args.resume).is_dir():
+        if not is_run(args.resume):
+            raise ZeroplugError(f"--resume {args.resume!r} is a directory but not a run's (no {RUN} in it): "
+                                "name a run directory (runs/...) or a checkpoint tag of [checkpoint] dir "
+                                "(use a plain name)")
+        resumed = Path(args.resume)
+        for flag, value in (("--config", args.config), ("--run-dir", args.run_dir), ("--no-save", args.no_save)):
+            if value:
+                raise ZeroplugError(f"--resume {args.resume} continues that run with its own config and directory: "
+                                    f"drop {flag} (change a key with --section.key=value)")
+        saved_args = read_args(resumed)
+    if args.no_save and args.run_dir:
+        raise ZeroplugError("--no-save and --run-dir contradict each other: keep one")
+    for name, default in defaults(saved_args).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    saving = resumed is not None or args.run_dir is not None or not (
+        args.no_save or os.environ.get(NO_SAVE_ENV, "").strip() not in ("", "0"))
+    return resumed, saved_args, saving
+
+
+def defaults(saved_args: dict | None) -> dict:
+    """The value of each run option not given: the continued run's, else the default."""
+    out = dict(DEFAULTS)
+    if saved_args is not None:
+        out.update({k: v for k, v in saved_args["args"].items() if k in DEFAULTS})
+    return out
+
+
+def write_start(run_dir: Path, given, cfg, comments, args, cfg_path, overrides, world, saved_args) -> None:
+    """config.toml and run.json, at the start (a run stopped part-way keeps them)."""
+    import zeroplug
+    from zeroplug.config import CORE_TABLES, SLOT_TABLES
+    now = time.strftime("%Y-%m-%d %H:%M:%S")
+    header = [f"zeroplug train's configuration of the run in {run_dir} ({now}),",
+              f"from {cfg_path}" + (f" and the command line's {' '.join(overrides)}" if overrides else "") + ".",
+              "Active lines: what the file and the command line set (\"auto\" kept, the value the run used",
+              "beside it); commented lines: every other option, at the value the run used.",
+              f"Continue the run: zeroplug train --resume {quote(run_dir)} --steps N",
+              f"A new run from it: zeroplug train --config {quote(run_dir / CONFIG)}"]
+    if not cfg.checkpoint.dir:
+        comments = {**comments, "checkpoint.dir": f"this run: {CHECKPOINTS}/ here"}
+    text = config_toml(given, cfg, header, comments, SLOT_TABLES, CORE_TABLES)
+    (run_dir / CONFIG).write_text(text)
+    choices = {k: getattr(args, k) for k in DEFAULTS}
+    if choices["data"]:         # --resume from another directory finds it
+        choices["data"] = str(Path(choices["data"]).resolve())
+    record = {"zeroplug": zeroplug.__version__, "started": (saved_args or {}).get("started", now), "updated": now,
+              "args": choices, "overrides": list(overrides), "config_source": str(cfg_path), "world_size": world}
+    write_json(run_dir / RUN, record)
+
+
+def finish(run_dir: Path, ck_dir: str, steps: int) -> None:
+    """Draw the picture and end with where the run is, how to continue it and how to look at it."""
+    from zeroplug.tools.report import report
+    try:
+        picture, missing = report(run_dir), None
+    except ZeroplugError as exc:
+        picture, missing = None, str(exc)
+    inside = Path(ck_dir).resolve().is_relative_to(run_dir.resolve()) if ck_dir else False
+    held = ["config.toml", "metrics.csv"] + ([f"{CHECKPOINTS}/"] if inside else []) + \
+        (["report.png"] if picture else [])
+    elsewhere = "" if inside else f"; checkpoints in {ck_dir}"
+    q = quote(run_dir)
+    print(f"run saved:   {run_dir}/ ({', '.join(held)}{elsewhere})")
+    print(f"continue it: zeroplug train --resume {q} --steps {2 * steps}")
+    if picture:
+        print(f"look at it:  {picture} (zeroplug report {q} draws it again)")
+    else:
+        print(f"look at it:  zeroplug report {q} ({missing})")
+
+
+def quote(path) -> str:
+    import shlex
+    return shlex.quote(str(path))

@@ -17,14 +17,12 @@ from zeroplug.errors import StepFailedError, ZeroplugError
 
 from . import rundir
 from .rundir import NO_SAVE_ENV
+from .schedule import fit_schedule
 
 #: the packaged default configuration (what ``zeroplug train`` reads without --config or ./zero.toml)
 DEFAULT_CONFIG = Path(zeroplug.__file__).with_name("zero.toml")
 
 
-#: what ``zeroplug train`` does without the option (and without ``--resume RUN``)
-DEFAULTS = {"model": "char-tiny", "seq": None, "data": None, "seed": 0, "max_bytes": None,
-            "activation_checkpointing": False, "device": "cpu", "steps": 300}
 
 
 def add_parser(sub) -> None:
@@ -128,88 +126,6 @@ def _check_train_args(args) -> None:
             raise ZeroplugError(f"{flag} {value}: must be a positive number (e.g. {flag} {example})")
 
 
-def _plan_run(args) -> tuple[Path | None, dict | None, bool]:
-    """(the run directory ``--resume`` continues, its run.json, whether this run is saved) from
-    --resume, --run-dir and --no-save; ``args`` gets the run's choices (or the defaults) for the
-    options not given."""
-    resumed, saved_args = None, None
-    if args.resume not in (None, "latest", "auto") and Path(args.resume).is_dir():
-        if not rundir.is_run(args.resume):
-            raise ZeroplugError(f"--resume {args.resume!r} is a directory but not a run's (no {rundir.RUN} in it): "
-                                "name a run directory (runs/...) or a checkpoint tag of [checkpoint] dir "
-                                "(use a plain name)")
-        resumed = Path(args.resume)
-        for flag, value in (("--config", args.config), ("--run-dir", args.run_dir), ("--no-save", args.no_save)):
-            if value:
-                raise ZeroplugError(f"--resume {args.resume} continues that run with its own config and directory: "
-                                    f"drop {flag} (change a key with --section.key=value)")
-        saved_args = rundir.read_args(resumed)
-    if args.no_save and args.run_dir:
-        raise ZeroplugError("--no-save and --run-dir contradict each other: keep one")
-    for name, default in rundir_defaults(saved_args).items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    saving = resumed is not None or args.run_dir is not None or not (
-        args.no_save or os.environ.get(NO_SAVE_ENV, "").strip() not in ("", "0"))
-    return resumed, saved_args, saving
-
-
-def rundir_defaults(saved_args: dict | None) -> dict:
-    """The value of each run option not given: the continued run's, else the default."""
-    out = dict(DEFAULTS)
-    if saved_args is not None:
-        out.update({k: v for k, v in saved_args["args"].items() if k in DEFAULTS})
-    return out
-
-
-def fit_schedule(given: dict, steps: int, source, overrides, pm) -> tuple[dict, list[str], dict]:
-    """The config with the schedule's length taken from ``steps`` where it is "auto" or not set,
-    and a warm-up that would not fit such a run shortened; the lines to print and the comments
-    for config.toml. A length the config sets itself wins, with a line that says so."""
-    import copy
-
-    from zeroplug.config import SLOT_TABLES
-    from zeroplug.options import AUTO, fields_of
-    table = given.get("scheduler")
-    name = table.get("plugin", SLOT_TABLES["scheduler"][1]) if isinstance(table, dict) else SLOT_TABLES["scheduler"][1]
-    reg = pm.registry().get("scheduler", {}).get(name) if isinstance(name, str) else None
-    if reg is None:             # resolve names the unknown plugin
-        return given, [], {}
-    fields = fields_of(reg.impl.Options)
-    raw = copy.deepcopy(given)
-    t = raw.setdefault("scheduler", {}) if "total_num_steps" in fields or "warmup_num_steps" in fields else {}
-    lines, comments = [], {}
-    follows = "warmup_num_steps" in fields          # warm-up bounded by the run (WarmupLR has no length)
-    # a DeepSpeed config's "auto" arrives translated to a number: the launcher's length is --steps here
-    translated = getattr(given, "translation", None)
-    ds_auto = translated is not None and any(k == "scheduler.total_num_steps" for _, k, _ in translated.autos)
-    if "total_num_steps" in fields:
-        total = t.get("total_num_steps", AUTO)
-        if total == AUTO or ds_auto:
-            t["total_num_steps"] = steps
-            comments["scheduler.total_num_steps"] = f"{steps} in this run (its --steps)"
-        else:
-            follows = False
-            if isinstance(total, int) and not isinstance(total, bool) and total != steps:
-                where = ("the command line" if any(o.startswith("--scheduler.total_num_steps=") for o in overrides)
-                         else str(source))
-                lines.append(f"note: scheduler.total_num_steps = {total} ({where}) sets the schedule's length, not "
-                             f"--steps {steps}: " + (f"the run stops {total - steps} steps before the lr's decay ends"
-                                                     if total > steps else
-                                                     f"the lr stays at its final value from step {total} on")
-                             + "; set it to \"auto\" to follow --steps")
-    if follows:
-        f = fields["warmup_num_steps"][0]
-        warm = t.get("warmup_num_steps", f.default)
-        short = max(1, steps // 10)
-        if isinstance(warm, int) and not isinstance(warm, bool) and warm >= steps and warm > short:
-            t["warmup_num_steps"] = short
-            lines.append(f"note: scheduler.warmup_num_steps = {warm} does not fit --steps {steps}: the warm-up is "
-                         f"shortened to {short} step{'s' if short > 1 else ''} (a tenth of the run)")
-            comments["scheduler.warmup_num_steps"] = f"{short} in this run (shortened to fit --steps {steps})"
-    return raw, lines, comments
-
-
 def _summary(cfg) -> str:
     """Every slot's chosen plugin, offload tiers included (``zero=stage2 offload.optimizer=cpu ...``)."""
     return " ".join(f"{path}={choice.name}" for path, choice in cfg.slots.items())
@@ -234,13 +150,8 @@ def _attach_csv(engine, path: Path):
 RUN_MONITOR = "zeroplug-train-run-csv"
 
 
-def _quote(path) -> str:
-    import shlex
-    return shlex.quote(str(path))
-
-
 def cmd_train(args, overrides) -> int:
-    resumed, saved_args, saving = _plan_run(args)
+    resumed, saved_args, saving = rundir.plan(args)
     _check_train_args(args)         # before torch's import: a mistyped number fails at once
     # Note: the largest models fit only when freed blocks can be regrown in place; without
     # expandable segments the caching allocator's fragmentation cost a 4.9B model its last GiB
@@ -340,7 +251,7 @@ def cmd_train(args, overrides) -> int:
         raise
     if run_dir is not None:
         if rank == 0:
-            _write_run_files(run_dir, given, cfg, schedule_comments, args, cfg_path, overrides, world, saved_args)
+            rundir.write_start(run_dir, given, cfg, schedule_comments, args, cfg_path, overrides, world, saved_args)
         _attach_csv(engine, run_dir / rundir.METRICS)
     sp = engine.sequence()      # the ranks of a sequence group read the same windows, each trains its slice
     data = ByteBatches(corpus, cfg.batch.micro_batch_size, seq, seed=args.seed, rank=sp.group.data_parallel_rank,
@@ -438,51 +349,8 @@ def cmd_train(args, overrides) -> int:
               f"({'lower' if end_eval < start_eval else 'NOT lower'}; "
               f"{start_eval / math.log(2):.2f} -> {end_eval / math.log(2):.2f} bits per byte)")
     if rank == 0 and run_dir is not None:
-        _finish(run_dir, ck_dir, max(start, args.steps))
+        rundir.finish(run_dir, ck_dir, max(start, args.steps))
     return 0
-
-
-def _write_run_files(run_dir: Path, given, cfg, comments, args, cfg_path, overrides, world, saved_args) -> None:
-    """config.toml and run.json, at the start (a run stopped part-way keeps them)."""
-    import zeroplug
-    from zeroplug.config import CORE_TABLES, SLOT_TABLES
-    now = time.strftime("%Y-%m-%d %H:%M:%S")
-    header = [f"zeroplug train's configuration of the run in {run_dir} ({now}),",
-              f"from {cfg_path}" + (f" and the command line's {' '.join(overrides)}" if overrides else "") + ".",
-              "Active lines: what the file and the command line set (\"auto\" kept, the value the run used",
-              "beside it); commented lines: every other option, at the value the run used.",
-              f"Continue the run: zeroplug train --resume {_quote(run_dir)} --steps N",
-              f"A new run from it: zeroplug train --config {_quote(run_dir / rundir.CONFIG)}"]
-    if not cfg.checkpoint.dir:
-        comments = {**comments, "checkpoint.dir": f"this run: {rundir.CHECKPOINTS}/ here"}
-    text = rundir.config_toml(given, cfg, header, comments, SLOT_TABLES, CORE_TABLES)
-    (run_dir / rundir.CONFIG).write_text(text)
-    choices = {k: getattr(args, k) for k in DEFAULTS}
-    if choices["data"]:         # --resume from another directory finds it
-        choices["data"] = str(Path(choices["data"]).resolve())
-    record = {"zeroplug": zeroplug.__version__, "started": (saved_args or {}).get("started", now), "updated": now,
-              "args": choices, "overrides": list(overrides), "config_source": str(cfg_path), "world_size": world}
-    rundir.write_json(run_dir / rundir.RUN, record)
-
-
-def _finish(run_dir: Path, ck_dir: str, steps: int) -> None:
-    """Draw the picture and end with where the run is, how to continue it and how to look at it."""
-    from zeroplug.tools.report import report
-    try:
-        picture, missing = report(run_dir), None
-    except ZeroplugError as exc:
-        picture, missing = None, str(exc)
-    inside = Path(ck_dir).resolve().is_relative_to(run_dir.resolve()) if ck_dir else False
-    held = ["config.toml", "metrics.csv"] + ([f"{rundir.CHECKPOINTS}/"] if inside else []) + \
-        (["report.png"] if picture else [])
-    elsewhere = "" if inside else f"; checkpoints in {ck_dir}"
-    q = _quote(run_dir)
-    print(f"run saved:   {run_dir}/ ({', '.join(held)}{elsewhere})")
-    print(f"continue it: zeroplug train --resume {q} --steps {2 * steps}")
-    if picture:
-        print(f"look at it:  {picture} (zeroplug report {q} draws it again)")
-    else:
-        print(f"look at it:  zeroplug report {q} ({missing})")
 
 
 def _collective_failure(exc: BaseException) -> bool:
