@@ -384,7 +384,7 @@ class FlatPartitioner(Partitioner):
     def load_checkpoint_state(self, states, optimizer=None, **flags) -> None:
         """Load from a :class:`zeroplug.checkpoint.ShardSet` (a tier that keeps states out of
         memory: one sub-group at a time)."""
-        from .checkpointing import import_state
+        from .loader import import_state
         self.wait_optimizer()
         return import_state(self, states, optimizer, **flags)
 

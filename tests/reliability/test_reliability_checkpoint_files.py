@@ -290,12 +290,12 @@ def test_cli_refuses_a_resealed_checkpoint_in_one_line(saved, tmp_path):
 
 def test_a_failure_after_the_checks_marks_the_engine_failed(saved, monkeypatch):
     """Should a load fail midway (after every check passed), the engine says so at its next step."""
-    from zeroplug.plugins.zero import checkpointing
+    from zeroplug.plugins.zero import loader
 
     def boom(*a, **k):
         raise RuntimeError("disk vanished")
     e = make()
-    monkeypatch.setattr(checkpointing, "install_optimizer_state", boom)
+    monkeypatch.setattr(loader, "install_optimizer_state", boom)
     msg = refused(lambda: e.load_checkpoint(saved))
     assert "failed after it was checked" in msg and "disk vanished" in msg, msg
     with pytest.raises(StepFailedError) as ei:
