@@ -57,7 +57,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +64,7 @@ from pathlib import Path
 import torch
 
 from tests.benchmarks.memory_floor import OOM_EXIT, deepspeed_installed, zeroplug_config
+from tests.benchmarks.probes import probe_env, rss_gib, run_watched
 
 GiB = 1024 ** 3
 DS_CONFIGS = Path(__file__).parent / "deepspeed_configs"
@@ -232,7 +232,7 @@ def probe(args) -> int:
     try:
         runner = make_runner(build, batch, config, device)
         out["init_s"] = round(time.perf_counter() - t0, 1)   # build + initialize
-        out["rss_after_init_gib"] = _rss_gib()
+        out["rss_after_init_gib"] = rss_gib()
         times = []
         for i in range(args.steps):
             b = runner.batches()
@@ -266,17 +266,6 @@ def _write_ds_json(cfg: dict, name: str, rank: int) -> Path:
     return path
 
 
-def _rss_gib(pid: int | str = "self") -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return 0.0
-
-
 def _tree(pid: int) -> list[int]:
     """``pid`` and every process below it (torchrun's ranks)."""
     out, todo = [], [pid]
@@ -293,7 +282,7 @@ def _tree(pid: int) -> list[int]:
 
 
 def _tree_rss_gib(pid: int) -> float:
-    return sum(_rss_gib(p) for p in _tree(pid))
+    return sum(rss_gib(p) for p in _tree(pid))
 
 
 def run_candidate(model: str, engine: str, args, timeout: float) -> dict:
@@ -304,47 +293,21 @@ def run_candidate(model: str, engine: str, args, timeout: float) -> dict:
                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
                     "--micro", str(args.micro), "--build-on", args.build_on, "--offload", args.offload,
                     "--nvme-path", args.nvme_path]
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    peak, timed_out = 0.0, False
-    # Note: the pipes are drained by threads, so that a child writing a lot never blocks on them
-    import threading
-    chunks = {"out": [], "err": []}
-    readers = [threading.Thread(target=lambda s=s, k=k: chunks[k].extend(s), daemon=True)
-               for s, k in ((proc.stdout, "out"), (proc.stderr, "err"))]
-    for r in readers:
-        r.start()
-    while proc.poll() is None:
-        peak = max(peak, _tree_rss_gib(proc.pid))
-        if time.time() - t0 > timeout:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            break
-        time.sleep(0.2)
-    for r in readers:
-        r.join(timeout=5)
-    res = {"model": model, "engine": engine, "wall_s": round(time.time() - t0, 1), "rc": proc.returncode,
-           "sampled_peak_rss_gib": round(peak, 2)}
-    for line in "".join(chunks["out"]).splitlines():
-        if line.startswith("PROBE "):
-            res.update(json.loads(line[6:]))
-    if timed_out:
+    w = run_watched(cmd, probe_env(), timeout, memory=_tree_rss_gib)
+    res = {"model": model, "engine": engine, "wall_s": w.wall_s, "rc": w.rc,
+           "sampled_peak_rss_gib": round(w.peak_gib, 2), **w.record}
+    if w.timed_out:
         res["outcome"] = f"timeout ({timeout:.0f} s)"
     elif res.get("error") == "not installed":
         res["outcome"] = "not installed"
-    elif proc.returncode in (-signal.SIGKILL, 137, 247) or (args.gpus > 1 and "SIGKILL" in "".join(chunks["err"])):
+    elif w.rc in (-signal.SIGKILL, 137, 247) or (args.gpus > 1 and "SIGKILL" in w.err):
         # torchrun exits 1 when the kernel kills a rank, and names the signal
         res["outcome"] = "host OOM (killed)"
     elif "error" in res:
         res["outcome"] = res["error"]
-    elif proc.returncode != 0 or "tokens_per_s" not in res:
-        tail = [ln for ln in "".join(chunks["err"]).splitlines() if ln.strip()]
-        res["outcome"] = "failed: " + (tail[-1][:200] if tail else f"exit {proc.returncode}")
+    elif w.rc != 0 or "tokens_per_s" not in res:
+        tail = [ln for ln in w.err.splitlines() if ln.strip()]
+        res["outcome"] = "failed: " + (tail[-1][:200] if tail else f"exit {w.rc}")
     else:
         res["outcome"] = "trains"
     return res

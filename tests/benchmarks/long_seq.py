@@ -49,11 +49,11 @@ import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from tests.benchmarks.probes import probe_env, run_watched
 
 GiB = 1024 ** 3
 OOM_EXIT = 3
@@ -343,59 +343,25 @@ def probe(args) -> int:
 
 
 # -- the search, in the parent (it never touches CUDA) -------------------------------------------
-def _rss_gib(pid) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return 0.0
-
-
 def run_probe(model: str, framework: str, seq: int, args, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "probe", "--model", model, "--framework", framework,
            "--seq", str(seq), "--steps", str(args.steps)] + (["--smoke"] if args.smoke else [])
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = probe_env()
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    chunks = {"out": [], "err": []}
-    readers = [threading.Thread(target=lambda s=s, k=k: chunks[k].extend(s), daemon=True)
-               for s, k in ((proc.stdout, "out"), (proc.stderr, "err"))]
-    for r in readers:
-        r.start()
-    peak, timed_out = 0.0, False
-    while proc.poll() is None:
-        peak = max(peak, _rss_gib(proc.pid))
-        if time.time() - t0 > timeout:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            break
-        time.sleep(0.2)
-    for r in readers:
-        r.join(timeout=5)
-    res = {"model": model, "framework": framework, "seq": seq, "wall_s": round(time.time() - t0, 1),
-           "rc": proc.returncode, "sampled_peak_rss_gib": round(peak, 1)}
-    for line in "".join(chunks["out"]).splitlines():
-        if line.startswith("PROBE "):
-            res.update(json.loads(line[6:]))
-    if timed_out:
+    w = run_watched(cmd, env, timeout)
+    res = {"model": model, "framework": framework, "seq": seq, "wall_s": w.wall_s,
+           "rc": w.rc, "sampled_peak_rss_gib": round(w.peak_gib, 1), **w.record}
+    if w.timed_out:
         res["outcome"] = f"time limit ({timeout:.0f} s)"
     elif res.get("error") == "deepspeed not installed":
         res["outcome"] = "deepspeed not installed"
-    elif proc.returncode in (-signal.SIGKILL, 137):
+    elif w.rc in (-signal.SIGKILL, 137):
         res["outcome"] = "host memory (killed)"
     elif "error" in res:
         res["outcome"] = res["error"]
-    elif proc.returncode != 0 or "tokens_per_s" not in res:
-        tail = [ln for ln in "".join(chunks["err"]).splitlines() if ln.strip()]
-        res["outcome"] = "failed: " + (tail[-1][:200] if tail else f"exit {proc.returncode}")
+    elif w.rc != 0 or "tokens_per_s" not in res:
+        tail = [ln for ln in w.err.splitlines() if ln.strip()]
+        res["outcome"] = "failed: " + (tail[-1][:200] if tail else f"exit {w.rc}")
     else:
         res["outcome"] = "trains"
     return res
