@@ -26,41 +26,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zeroplug  # noqa: E402
-from tests.support.toy import ToyNet  # noqa: E402
+from tests.support.toy import ExpertsOnTheModel, ToyNet  # noqa: E402
 
 VOCAB, SEQ, MICRO = 37, 8, 2
-
-
-class ExpertsOnTheModel(torch.nn.Module):
-    """An ``experts`` ModuleList held by the model itself, top-1 routed by token id: rank r's
-    tokens go to experts 2r, 2r+1 only."""
-
-    def __init__(self, d=24, hidden=40, experts=4):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, d)
-        self.gate = torch.nn.Linear(d, experts)
-        self.experts = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d))
-            for _ in range(experts))
-        self.head = torch.nn.Linear(d, VOCAB, bias=False)
-        self.n = experts
-
-    def forward(self, x, y):
-        h = self.emb(x)
-        flat, route = h.reshape(-1, h.size(-1)), (x * self.n // VOCAB).reshape(-1)
-        g = torch.sigmoid(self.gate(flat)).gather(1, route[:, None])
-        out = torch.zeros_like(flat)
-        for i, expert in enumerate(self.experts):
-            mask = route == i
-            if mask.any():
-                out[mask] = g[mask] * expert(flat[mask])
-        h = h + out.view_as(h)
-        return F.cross_entropy(self.head(h).view(-1, VOCAB), y.view(-1))
 
 
 def config(args, rank: int) -> dict:
@@ -102,7 +74,7 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = ExpertsOnTheModel() if args.case == "experts" else ToyNet()
+    model = ExpertsOnTheModel(VOCAB) if args.case == "experts" else ToyNet()
     engine = zeroplug.initialize(model, config(args, rank), device=device)
     faulty = rank == args.fault_rank
     ck = args.root / "ck"

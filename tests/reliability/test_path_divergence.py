@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import zeroplug
 from zeroplug.errors import RanksDisagree
+from tests.support import toy
 from tests.support.distributed import run_ranks
 
 WORLD, STEPS = 2, 3
@@ -31,27 +32,8 @@ LR, WD = 1e-2, 0.01
 TIMEOUT = 300
 
 
-class ExpertsOnTheModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, D)
-        self.gate = torch.nn.Linear(D, EXPERTS)
-        self.experts = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(D, 24), torch.nn.GELU(), torch.nn.Linear(24, D))
-            for _ in range(EXPERTS))
-        self.head = torch.nn.Linear(D, VOCAB)
-
-    def forward(self, x, y):
-        h = self.emb(x)
-        flat, route = h.reshape(-1, D), (x * EXPERTS // VOCAB).reshape(-1)
-        g = torch.sigmoid(self.gate(flat)).gather(1, route[:, None])
-        out = torch.zeros_like(flat)
-        for i, expert in enumerate(self.experts):
-            mask = route == i
-            if mask.any():
-                out[mask] = g[mask] * expert(flat[mask])
-        h = h + out.view_as(h)
-        return F.cross_entropy(self.head(h).view(-1, VOCAB), y.view(-1))
+def experts_model():
+    return toy.ExpertsOnTheModel(VOCAB, D, hidden=24, experts=EXPERTS, head_bias=True)
 
 
 class Branchy(torch.nn.Module):
@@ -132,20 +114,20 @@ def train(rank, model, cfg, declare=None):
 
 
 TRAINS = {
-    "experts-stage3": lambda: (ExpertsOnTheModel(), config(), None),
-    "experts-stage3-offload": lambda: (ExpertsOnTheModel(), config(offload=True), None),
-    "experts-stage2": lambda: (ExpertsOnTheModel(), config(2), None),
-    "experts-stage2-offload": lambda: (ExpertsOnTheModel(), config(2, offload=True), None),
+    "experts-stage3": lambda: (experts_model(), config(), None),
+    "experts-stage3-offload": lambda: (experts_model(), config(offload=True), None),
+    "experts-stage2": lambda: (experts_model(), config(2), None),
+    "experts-stage2-offload": lambda: (experts_model(), config(2, offload=True), None),
     # 2 micro-steps: each rank's backward reaches its own experts only, in each micro-step
-    "experts-stage2-accumulation": lambda: (ExpertsOnTheModel(), config(2, accumulation=2), None),
-    "experts-stage3-accumulation": lambda: (ExpertsOnTheModel(), config(accumulation=2), None),
-    "experts-declared": lambda: (ExpertsOnTheModel(), config(stage3_auto_leaf_modules=False),
+    "experts-stage2-accumulation": lambda: (experts_model(), config(2, accumulation=2), None),
+    "experts-stage3-accumulation": lambda: (experts_model(), config(accumulation=2), None),
+    "experts-declared": lambda: (experts_model(), config(stage3_auto_leaf_modules=False),
                                  lambda m: [m.experts]),
     "skip-declared": lambda: (Branchy("skip"), config(), lambda m: [m.extra]),
     "swap-declared": lambda: (Branchy("swap"), config(), lambda m: [m.a, m.b]),
 }
 STOPS = {
-    "experts-rule-off": lambda: (ExpertsOnTheModel(), config(stage3_auto_leaf_modules=False), None),
+    "experts-rule-off": lambda: (experts_model(), config(stage3_auto_leaf_modules=False), None),
     "skip": lambda: (Branchy("skip"), config(), None),
     "swap": lambda: (Branchy("swap"), config(), None),
     "skip-later": lambda: (Branchy("skip-later"), config(stage3_prefetch_bucket_size=10**6), None),
@@ -232,7 +214,7 @@ def save_apart(rank, world):
     import tempfile
     from pathlib import Path
     out = {}
-    engine = zeroplug.initialize(ExpertsOnTheModel(), config(2))
+    engine = zeroplug.initialize(experts_model(), config(2))
     mine = tempfile.mkdtemp()
     try:
         engine.save_checkpoint(mine)
@@ -240,7 +222,7 @@ def save_apart(rank, world):
         out["save"] = str(exc)
     out["written"] = sorted(p.name for p in Path(mine).iterdir())
     try:
-        zeroplug.initialize(ExpertsOnTheModel(), config(2, accumulation=1 + rank))
+        zeroplug.initialize(experts_model(), config(2, accumulation=1 + rank))
     except RanksDisagree as exc:
         out["settings"] = str(exc)
     return out

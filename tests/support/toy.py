@@ -27,6 +27,34 @@ class ToyNet(torch.nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
 
+class ExpertsOnTheModel(torch.nn.Module):
+    """An ``experts`` ModuleList held by the model itself, top-1 routed by token id (with
+    ``experts`` = 2 x ranks, rank r's tokens of a batch split by id go to experts 2r, 2r+1),
+    experts without tokens skipped, a learned sigmoid gate."""
+
+    def __init__(self, vocab=37, d=24, hidden=40, experts=4, head_bias=False):
+        super().__init__()
+        self.vocab, self.n = vocab, experts
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.gate = torch.nn.Linear(d, experts)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d))
+            for _ in range(experts))
+        self.head = torch.nn.Linear(d, vocab, bias=head_bias)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        flat, route = h.reshape(-1, h.size(-1)), (x * self.n // self.vocab).reshape(-1)
+        g = torch.sigmoid(self.gate(flat)).gather(1, route[:, None])
+        out = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            mask = route == i
+            if mask.any():
+                out[mask] = g[mask] * expert(flat[mask])
+        h = h + out.view_as(h)
+        return F.cross_entropy(self.head(h).view(-1, self.vocab), y.view(-1))
+
+
 def batches(steps, global_batch, seq=8, vocab=37, seed=1234):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
